@@ -1,0 +1,67 @@
+"""Nox sessions: ``tests`` (gloo on CPU), ``lint``, ``mypy``, ``docs``, ``benchmarks``, ``demo``.
+
+Every install passes ``-c constraints/ci.txt``. That file pins torch to the local 2.13.0
+CPU wheel, and an unpinned torch would pull several GB of CUDA wheels. Sessions use the
+interpreter that runs nox, so no particular ``pythonX.Y`` has to be on PATH.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "lint", "mypy"]
+
+CONSTRAINTS = ("-c", "constraints/ci.txt")
+ROOT = Path(__file__).resolve().parent
+LINT_PATHS = ("src", "tests", "benchmarks", "noxfile.py")
+
+
+@nox.session(python=None)
+def tests(session: nox.Session) -> None:
+    """Run the test suite (gloo on CPU). Extra arguments go to pytest."""
+    # numpy is not a dependency, but without it `import torch` warns and
+    # filterwarnings=error turns that warning into an error.
+    session.install(*CONSTRAINTS, "-e", ".[test]", "numpy")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=None)
+def lint(session: nox.Session) -> None:
+    """Run ruff's linter and check the formatting."""
+    session.install(*CONSTRAINTS, "ruff")
+    # ruff reports a missing path as an error; benchmarks/ may not exist yet.
+    paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session(python=None)
+def mypy(session: nox.Session) -> None:
+    """Type-check the package with ``mypy --strict``."""
+    session.install(*CONSTRAINTS, "-e", ".", "mypy")
+    session.run("mypy", "--strict", "src")
+
+
+@nox.session(python=None)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site; any mkdocs warning fails the build."""
+    session.install(*CONSTRAINTS, "-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict")
+
+
+@nox.session(python=None)
+def benchmarks(session: nox.Session) -> None:
+    """Run ``benchmarks/run_all.py``; extra arguments are passed on to it."""
+    session.install(*CONSTRAINTS, "-e", ".[bench]")
+    session.run("python", "benchmarks/run_all.py", *session.posargs)
+
+
+@nox.session(python=None)
+def demo(session: nox.Session) -> None:
+    """Run ``python -m resilient_ddp demo``; extra arguments are passed on to it."""
+    # numpy: see `tests`. Without it, the demo's first line would be torch's NumPy warning.
+    session.install(*CONSTRAINTS, "-e", ".", "numpy")
+    session.run("python", "-m", "resilient_ddp", "demo", *session.posargs)

@@ -1,0 +1,73 @@
+"""resilient_ddp: fault-tolerant DistributedDataParallel and distributed inference.
+
+Every public name is importable from here; the submodules are implementation detail.
+"""
+
+from __future__ import annotations
+
+from ._runtime import phase
+from .collectives import (
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+)
+from .config import ResilienceConfig, RetryPolicy, get_config, set_config
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigError,
+    ControlPlaneError,
+    Culprit,
+    PreflightError,
+    RankFailureError,
+    RankOutcome,
+    ResilientDDPError,
+    RetryBudgetExhaustedError,
+    SpawnError,
+)
+from .launch import spawn
+from .process_group import destroy_process_group, init_process_group, is_initialized
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "ControlPlaneError",
+    "Culprit",
+    "PreflightError",
+    "RankFailureError",
+    "RankOutcome",
+    "ResilienceConfig",
+    "ResilientDDPError",
+    "RetryBudgetExhaustedError",
+    "RetryPolicy",
+    "SpawnError",
+    "__version__",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "destroy_process_group",
+    "get_config",
+    "init_process_group",
+    "is_initialized",
+    "phase",
+    "set_config",
+    "spawn",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if hasattr(_obj, "__module__") and not isinstance(_obj, str):
+        try:
+            _obj.__module__ = __name__
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

@@ -1,0 +1,62 @@
+"""Backend-specific pieces: which device carries small control tensors, how to abort."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+log = logging.getLogger("resilient_ddp")
+
+
+def backend_name(group: dist.ProcessGroup | None = None) -> str:
+    """The backend of ``group`` (default: the world), lower-case, e.g. ``"gloo"``."""
+    return str(dist.get_backend(group)).lower()
+
+
+def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    return "nccl" in backend_name(group)
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a small tensor must live on to be communicated over ``group``."""
+    if uses_nccl(group) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def abort_group(group: dist.ProcessGroup | None = None) -> None:
+    """Abort ``group``'s communicators so that ops blocked on a dead peer return.
+
+    With NCCL this is what releases kernels spinning on a dead peer; with gloo it returns at
+    once but cannot interrupt an op already blocked (FINDINGS.md), so the library never
+    relies on it there.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return
+    try:
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            abort()
+            return
+        c10d = dist.distributed_c10d
+        fn = getattr(c10d, "_abort_process_group", None)
+        if fn is not None:
+            fn(pg)
+    except Exception:  # noqa: BLE001 - aborting is best effort on an already failed group
+        log.debug("abort of process group failed", exc_info=True)
+
+
+def default_pg_timeout(op_budget: timedelta, heartbeat_timeout: timedelta) -> timedelta:
+    """The backend timeout for groups the library creates.
+
+    Our own deadlines fire first and raise typed errors; the backend's must come soon after,
+    because a gloo op still pending on a stopped peer keeps ``destroy_process_group()`` and
+    interpreter exit blocked until it times out (30 minutes by torch's default).
+    """
+    return op_budget + heartbeat_timeout + timedelta(seconds=30)

@@ -1,0 +1,253 @@
+"""Control plane: the store keys through which ranks exchange heartbeats and failure reports.
+
+The control plane lives in the c10d store, apart from the data plane (the process group), so
+it keeps working when the data plane is broken. Every key of one generation ``N`` sits under
+``rd/g<N>/``:
+
+=================  ===========================================================
+``info/<r>``       rank's identity: host, pid, process start time, boot id
+``state/<r>``      heartbeat: beat counter, op and seq, step, phase, stack
+``ev/n``           number of events posted (read with ``add(key, 0)``)
+``ev/log``         the events, one JSON document per line (``append``)
+``diag``           diagnosis request counter; every watchdog answers with its stack
+``claim/<r>``      first reporter of rank ``r``'s failure wins (``add`` returns 1)
+``mm/<k>/<r>``     signature of the ``k``-th mismatched collective, per rank
+=================  ===========================================================
+
+All reads used on the healthy path are of keys known to exist, so no call here waits on the
+store except :meth:`ControlPlane.wait_keys`, which is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import ControlPlaneError, Culprit
+
+__all__: list[str] = []
+
+# Event kinds. A "primary" event names a culprit; "left" is primary only for the ops after
+# the leaver's last one.
+EV_EXCEPTION = "exception"
+EV_CRASH = "crash"
+EV_UNRESPONSIVE = "unresponsive"
+EV_TIMEOUT = "timeout"
+EV_LEFT = "left"
+
+
+def root_prefix(store: dist.Store) -> dist.Store:
+    """Return the library's namespace ``rd/`` inside ``store``."""
+    return dist.PrefixStore("rd", store)
+
+
+class ControlPlane:
+    """Typed access to one generation's keys in the store.
+
+    Not thread-safe across threads that block: give each thread its own instance (see
+    :meth:`clone`), because a TCPStore client serialises calls on one connection.
+    """
+
+    def __init__(self, root: dist.Store, generation: int) -> None:
+        self.root = root
+        self.generation = generation
+        self.store: dist.Store = dist.PrefixStore(f"g{generation}", root)
+
+    def clone(self) -> ControlPlane:
+        """Return a control plane over a new connection to the same store."""
+        clone = getattr(self.root, "clone", None)
+        root = clone() if clone is not None else self.root
+        return ControlPlane(root, self.generation)
+
+    # -- identity and heartbeats -------------------------------------------------------------
+    def publish_info(self, rank: int, info: dict[str, Any]) -> None:
+        self._set(f"info/{rank}", info)
+
+    def read_infos(self, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
+        return self._multi_get_json([f"info/{r}" for r in ranks], ranks)
+
+    def publish_state(self, rank: int, state: dict[str, Any]) -> None:
+        self._set(f"state/{rank}", state)
+
+    def read_states(self, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
+        return self._multi_get_json([f"state/{r}" for r in ranks], ranks)
+
+    def has_state(self, rank: int) -> bool:
+        return self._call(self.store.check, [f"state/{rank}"])  # type: ignore[no-any-return]
+
+    def init_counters(self) -> None:
+        """Create the counters every poll reads, so that no poll ever waits for a key."""
+        self._call(self.store.add, "ev/n", 0)
+        self._call(self.store.add, "diag", 0)
+
+    def wait_keys(self, keys: Iterable[str], timeout: timedelta) -> None:
+        """Block until every key exists, at most ``timeout``.
+
+        Raises:
+            ControlPlaneError: The store is unreachable.
+            TimeoutError: The keys did not all appear in time (the store's own error).
+        """
+        self.store.wait(list(keys), timeout)
+
+    def poll(self, watched: Sequence[int]) -> tuple[int, int, dict[int, dict[str, Any]]]:
+        """Read, in one round trip, the event count, the diagnosis counter and the states of
+        the watched ranks."""
+        keys = ["ev/n", "diag"] + [f"state/{r}" for r in watched]
+        raw = self._call(self.store.multi_get, keys)
+        states = {r: json.loads(v) for r, v in zip(watched, raw[2:], strict=True)}
+        return int(raw[0]), int(raw[1]), states
+
+    # -- events ------------------------------------------------------------------------------
+    def post_event(self, event: dict[str, Any]) -> None:
+        """Append an event to the log, then bump the counter readers poll."""
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        self._call(self.store.append, "ev/log", line)
+        self._call(self.store.add, "ev/n", 1)
+
+    def read_events(self) -> list[dict[str, Any]]:
+        if not self._call(self.store.check, ["ev/log"]):
+            return []
+        raw = self._call(self.store.get, "ev/log")
+        return [json.loads(line) for line in raw.decode().splitlines() if line]
+
+    def event_count(self) -> int:
+        return int(self._call(self.store.add, "ev/n", 0))
+
+    def claim(self, rank: int) -> bool:
+        """Return True for the first caller that reports rank ``rank``'s failure."""
+        return int(self._call(self.store.add, f"claim/{rank}", 1)) == 1
+
+    def request_diagnosis(self) -> int:
+        return int(self._call(self.store.add, "diag", 1))
+
+    # -- mismatch tables ---------------------------------------------------------------------
+    def publish_signature(self, k: int, rank: int, sig: dict[str, Any]) -> None:
+        self._set(f"mm/{k}/{rank}", sig)
+
+    def read_signatures(
+        self, k: int, ranks: Sequence[int], timeout: timedelta
+    ) -> dict[int, dict[str, Any]]:
+        """Read every rank's signature of mismatch ``k``; ranks that never publish are
+        missing from the result after ``timeout``."""
+        keys = [f"mm/{k}/{r}" for r in ranks]
+        try:
+            self.store.wait(keys, timeout)
+        except Exception:  # noqa: BLE001 - a missing rank is reported by its absence
+            present = [r for r, key in zip(ranks, keys, strict=True) if self.store.check([key])]
+            return self._multi_get_json([f"mm/{k}/{r}" for r in present], present)
+        return self._multi_get_json(keys, ranks)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _set(self, key: str, value: dict[str, Any]) -> None:
+        self._call(self.store.set, key, json.dumps(value, separators=(",", ":")))
+
+    def _multi_get_json(
+        self, keys: Sequence[str], ranks: Sequence[int]
+    ) -> dict[int, dict[str, Any]]:
+        if not keys:
+            return {}
+        raw = self._call(self.store.multi_get, list(keys))
+        return {r: json.loads(v) for r, v in zip(ranks, raw, strict=True)}
+
+    @staticmethod
+    def _call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as e:
+            # DistStoreError and DistNetworkError derive from RuntimeError.
+            raise ControlPlaneError(
+                f"The control-plane store is unreachable ({type(e).__name__}: {e}). The process "
+                "hosting it (the launcher, torchrun's agent or rank 0) has probably died; "
+                "no rank can coordinate any more."
+            ) from e
+
+
+# -- identity helpers -------------------------------------------------------------------------
+def host_name() -> str:
+    return socket.gethostname()
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19])
+
+
+def process_state(pid: int) -> str | None:
+    """One-letter Linux process state (R, S, D, T, Z, ...), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2]
+
+
+def same_process_alive(pid: int, start_time: int | None) -> bool:
+    """Whether the process ``pid`` that started at ``start_time`` still runs (not a zombie)."""
+    if start_time is None:
+        return True  # cannot tell; never report what we cannot see
+    state = process_state(pid)
+    if state is None or state in "ZX":
+        return False
+    return process_start_time(pid) == start_time
+
+
+def my_identity(rank: int) -> dict[str, Any]:
+    pid = os.getpid()
+    return {
+        "rank": rank,
+        "host": host_name(),
+        "pid": pid,
+        "start": process_start_time(pid),
+        "boot": boot_id(),
+    }
+
+
+def culprit_from(
+    rank: int,
+    *,
+    what: str,
+    info: dict[str, Any] | None = None,
+    state: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Build the JSON form of a :class:`Culprit` from a rank's info and last state."""
+    info = info or {}
+    state = state or {}
+    c: dict[str, Any] = {
+        "rank": rank,
+        "host": info.get("host", state.get("host", "?")),
+        "pid": info.get("pid", state.get("pid", 0)),
+        "what": what,
+        "op": state.get("op", ""),
+        "seq": state.get("seq", -1),
+        "step": state.get("step", -1),
+        "phase": state.get("phase", ""),
+    }
+    c.update(extra)
+    return c
+
+
+def to_culprit(d: dict[str, Any]) -> Culprit:
+    fields = Culprit.__dataclass_fields__
+    return Culprit(**{k: v for k, v in d.items() if k in fields})

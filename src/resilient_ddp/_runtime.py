@@ -1,0 +1,545 @@
+"""Per-process runtime: who this rank is, which ops are pending, and what has failed.
+
+One :class:`Runtime` exists per process between :func:`resilient_ddp.init_process_group`
+and :func:`resilient_ddp.destroy_process_group`. The main thread only writes plain
+attributes on the healthy path (op name, sequence number, step, phase); the watchdog thread
+publishes them and feeds failure reports back through :meth:`Runtime.record_events`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _control as ctl
+from .config import ResilienceConfig
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ControlPlaneError,
+    Culprit,
+    RankFailureError,
+    ResilientDDPError,
+)
+
+__all__: list[str] = []
+
+log = logging.getLogger("resilient_ddp")
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_THREADING_FILE = os.path.abspath(threading.__file__)
+# Errors a rank raises because of someone else: reporting them would name the wrong culprit.
+_SECONDARY = (RankFailureError, CollectiveMismatchError, ControlPlaneError)
+
+
+class PendingOp:
+    """One collective in flight, completed by the backend or failed by the watchdog.
+
+    Blocking callers wait on :attr:`event`; asynchronous callers (DDP's comm hook) pass a
+    ``future`` that is completed with the backend's value or failed with our error.
+    """
+
+    __slots__ = (
+        "backend_error",
+        "deadline",
+        "done",
+        "event",
+        "future",
+        "name",
+        "result_fn",
+        "seq",
+        "settled",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        seq: int,
+        *,
+        deadline: float = float("inf"),
+        future: torch.futures.Future[Any] | None = None,
+        result_fn: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.seq = seq
+        self.deadline = deadline
+        self.event = threading.Event()
+        self.backend_error: BaseException | None = None
+        self.done = False
+        self.future = future
+        self.result_fn = result_fn
+        self.settled = threading.Lock()
+
+    def attach(self, work: Any) -> None:
+        """Complete this op when the backend ``work`` completes."""
+        work.get_future().add_done_callback(self._on_backend_done)
+
+    def _on_backend_done(self, fut: torch.futures.Future[Any]) -> None:
+        value: Any = None
+        try:
+            value = fut.value()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            self.backend_error = e
+        self.done = True
+        self.event.set()
+        if self.future is not None and self.backend_error is None:
+            if self.settled.acquire(blocking=False):
+                self.future.set_result(self.result_fn(value) if self.result_fn else value)
+
+    def fail_future(self, error: BaseException) -> None:
+        """Fail the async future (once); blocking waiters are woken through :attr:`event`."""
+        if self.future is not None and self.settled.acquire(blocking=False):
+            self.future.set_exception(error)
+        self.event.set()
+
+
+class Runtime:
+    """The process's view of the job; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        control_root: dist.Store,
+        config: ResilienceConfig,
+        owns_group: bool,
+        generation: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.config = config
+        self.owns_group = owns_group
+        self.generation = generation
+        self.control_root = control_root
+        self.control = ctl.ControlPlane(control_root, generation)
+        self.identity = ctl.my_identity(rank)
+        self.infos: dict[int, dict[str, Any]] = {}
+        self.main_thread_ident = threading.main_thread().ident
+        # Healthy-path state, written by the main thread, read by the watchdog.
+        self.seq = 0
+        self.op = ""
+        self.op_seq = -1
+        self.in_op = False
+        self.step = -1
+        self.phase = ""
+        self.section = ""
+        self.status = "running"
+        self.thread_errors: list[str] = []
+        # Failure state.
+        self.lock = threading.Lock()
+        self.pending: set[PendingOp] = set()
+        self.failures: list[dict[str, Any]] = []
+        self.left: dict[int, dict[str, Any]] = {}
+        self.control_plane_error: ControlPlaneError | None = None
+        # Backend works that never completed. Dropping the last reference to a gloo work or
+        # group runs ~ProcessGroupGloo, which joins worker threads blocked on a stopped peer
+        # until the backend's own timeout; so they are kept alive until the process exits.
+        self.stuck: list[Any] = []
+        self.mismatches = 0
+        self.watchdog: Any = None
+
+    # -- healthy path ------------------------------------------------------------------------
+    def begin_op(self, name: str) -> int:
+        """Assign the next sequence number to op ``name`` and raise if it cannot succeed."""
+        self.seq += 1
+        seq = self.seq
+        self.op, self.op_seq = name, seq
+        self.raise_if_failed(name, seq)
+        self.in_op = True
+        return seq
+
+    def end_op(self) -> None:
+        self.in_op = False
+
+    def register(self, p: PendingOp) -> None:
+        with self.lock:
+            self.pending.add(p)
+        # A failure recorded between begin_op and register must still reach this op.
+        if self.failed_for(p.seq):
+            p.event.set()
+
+    def unregister(self, p: PendingOp) -> None:
+        with self.lock:
+            self.pending.discard(p)
+
+    def snapshot(self, beat: int) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host": self.identity["host"],
+            "pid": self.identity["pid"],
+            "beat": beat,
+            "gen": self.generation,
+            "seq": self.op_seq,
+            "op": self.op,
+            "in_op": self.in_op,
+            "step": self.step,
+            "phase": self.phase,
+            "section": self.section,
+            "status": self.status,
+            "t": time.time(),
+        }
+
+    # -- failure bookkeeping ------------------------------------------------------------------
+    def failed_for(self, seq: int) -> bool:
+        """Whether op ``seq`` cannot complete because of a recorded failure."""
+        if self.failures or self.control_plane_error is not None:
+            return True
+        return any(ev.get("final_seq", -1) < seq for ev in self.left.values())
+
+    def raise_if_failed(self, name: str, seq: int) -> None:
+        if self.failed_for(seq):
+            raise self.build_error(name, seq)
+
+    def record_events(self, events: Sequence[dict[str, Any]]) -> None:
+        """Take failure reports read from the store and wake the ops they doom."""
+        woke = False
+        with self.lock:
+            for ev in events:
+                if ev.get("reporter") == self.rank and ev["kind"] != ctl.EV_TIMEOUT:
+                    continue
+                if ev["kind"] == ctl.EV_LEFT:
+                    if ev["rank"] != self.rank:
+                        self.left[ev["rank"]] = ev
+                        woke = True
+                    continue
+                if ev.get("secondary"):
+                    continue
+                if ev["kind"] == ctl.EV_TIMEOUT and ev.get("reporter") == self.rank:
+                    continue
+                if ev.get("rank") == self.rank and ev["kind"] != ctl.EV_TIMEOUT:
+                    continue
+                self.failures.append(ev)
+                woke = True
+            pending = list(self.pending)
+        if woke:
+            for p in pending:
+                if self.failed_for(p.seq):
+                    self._fail_pending(p)
+
+    def on_control_plane_lost(self, error: ControlPlaneError) -> None:
+        with self.lock:
+            self.control_plane_error = error
+            pending = list(self.pending)
+        for p in pending:
+            self._fail_pending(p)
+
+    def _fail_pending(self, p: PendingOp) -> None:
+        if p.future is not None:
+            p.fail_future(self.build_error(p.name, p.seq))
+        else:
+            p.event.set()
+
+    def culprits_for(self, seq: int) -> tuple[type[RankFailureError], list[Culprit]]:
+        """The error class and culprits explaining why op ``seq`` cannot complete."""
+        cls: type[RankFailureError] = RankFailureError
+        found: dict[int, Culprit] = {}
+        for i, ev in enumerate(self.failures):
+            if ev["kind"] == ctl.EV_TIMEOUT:
+                if i == 0:
+                    cls = CollectiveTimeoutError
+                for c in ev.get("culprits", []):
+                    found.setdefault(c["rank"], ctl.to_culprit(c))
+            else:
+                found.setdefault(ev["rank"], ctl.to_culprit(ev["culprit"]))
+        for r, ev in sorted(self.left.items()):
+            if ev.get("final_seq", -1) < seq:
+                found.setdefault(r, ctl.to_culprit(ev["culprit"]))
+        return cls, list(found.values())
+
+    def build_error(self, name: str, seq: int) -> RankFailureError:
+        if self.control_plane_error is not None and not self.failures:
+            # Fatal: nothing can be coordinated any more. ControlPlaneError is no
+            # RankFailureError, so wrap it to keep one type for "the group is gone".
+            err = RankFailureError(
+                f"{name}#{seq} on rank {self.rank} cannot complete: {self.control_plane_error}",
+                op=name,
+                seq=seq,
+                generation=self.generation,
+            )
+            err.__cause__ = self.control_plane_error
+            return err
+        cls, culprits = self.culprits_for(seq)
+        first = self.failures[0] if self.failures else None
+        head = f"{name}#{seq} on rank {self.rank} (generation {self.generation}) cannot complete"
+        if first is not None and first["kind"] == ctl.EV_TIMEOUT and first["reporter"] != self.rank:
+            head += (
+                f": rank {first['reporter']} timed out in {first['op']}#{first['seq']} after "
+                f"{first['waited']:.1f} s"
+            )
+        if culprits:
+            body = "\n".join(c.describe() for c in culprits)
+            ranks = ", ".join(str(c.rank) for c in culprits)
+            message = f"{head}; failed rank(s): {ranks}\n{body}"
+        else:
+            message = f"{head}; every rank arrived but the data plane stalled (network?)"
+        return cls(message, culprits=culprits, op=name, seq=seq, generation=self.generation)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def post(self, event: dict[str, Any]) -> None:
+        event.setdefault("reporter", self.rank)
+        event.setdefault("gen", self.generation)
+        event.setdefault("t", time.time())
+        self.control.post_event(event)
+
+    def report_exception(
+        self, exc: BaseException, tb: TracebackType | None = None, *, thread: str | None = None
+    ) -> None:
+        """Post this rank's own uncaught exception before the process dies."""
+        if self.status != "running":
+            return
+        secondary = isinstance(exc, _SECONDARY) or bool(self.failures)
+        culprit = ctl.culprit_from(
+            self.rank,
+            what=f"raised {_qualname(type(exc))}" + (f" in thread {thread!r}" if thread else ""),
+            info=self.identity,
+            state=self.snapshot(0),
+            exc_type=_qualname(type(exc)),
+            exc_message=str(exc),
+            traceback=format_tb_summary(tb or exc.__traceback__, self.config.stack_depth),
+        )
+        try:
+            if secondary or self.control.claim(self.rank):
+                self.post(
+                    {
+                        "kind": ctl.EV_EXCEPTION,
+                        "rank": self.rank,
+                        "secondary": secondary,
+                        "culprit": culprit,
+                    }
+                )
+        except ControlPlaneError:
+            pass  # dying anyway; the launcher or the peers' watchdogs will notice
+        self.status = "failed"
+
+    def report_left(self) -> None:
+        """Tell the peers this rank leaves after its last op (clean shutdown)."""
+        if self.status == "left":
+            return
+        secondary = bool(self.failures) or self.status == "failed"
+        culprit = ctl.culprit_from(
+            self.rank,
+            what=f"left the group after op #{self.op_seq} ({self.op or 'none'})",
+            info=self.identity,
+            state=self.snapshot(0),
+        )
+        self.status = "left"
+        try:
+            self.control.claim(self.rank)
+            self.post(
+                {
+                    "kind": ctl.EV_LEFT,
+                    "rank": self.rank,
+                    "final_seq": self.op_seq,
+                    "secondary": secondary,
+                    "culprit": culprit,
+                }
+            )
+        except ControlPlaneError:
+            pass
+
+    # -- diagnosis ---------------------------------------------------------------------------
+    def main_stack(self) -> str:
+        """Format the innermost frames of this process's main thread."""
+        if self.main_thread_ident is None:
+            return ""
+        frame = sys._current_frames().get(self.main_thread_ident)
+        text = format_stack(frame, self.config.stack_depth) if frame is not None else ""
+        if self.thread_errors:
+            text += "\n" + "\n".join(self.thread_errors[-3:])
+        return text
+
+    def diagnose(self, control: ctl.ControlPlane, name: str, seq: int) -> list[dict[str, Any]]:
+        """Find the ranks that keep op ``seq`` from completing, asking each for its stack.
+
+        Blocks at most ``config.diagnosis_timeout`` (polling the store every 50 ms).
+        """
+        others = [r for r in range(self.world_size) if r != self.rank]
+        request = control.request_diagnosis()
+        deadline = time.monotonic() + self.config.diagnosis_timeout.total_seconds()
+        states = control.read_states(others)
+        while time.monotonic() < deadline:
+            if all(s.get("diag", 0) >= request or s.get("status") != "running" for s in states.values()):
+                break
+            time.sleep(0.05)
+            states = control.read_states(others)
+        now = time.time()
+        culprits: list[dict[str, Any]] = []
+        for r in others:
+            s = states.get(r, {})
+            info = self.infos.get(r, {})
+            answered = s.get("diag", 0) >= request
+            what = ""
+            if s.get("status") == "left":
+                what = "left the group"
+            elif s.get("status") == "failed":
+                what = "failed"
+            elif not answered:
+                what = f"is not responding (last heartbeat {now - s.get('t', now):.1f} s ago)"
+                if self.is_local(r) and ctl.process_state(int(info.get("pid", 0))) == "T":
+                    what = "is stopped (SIGSTOP or a debugger) and not responding"
+            elif s.get("seq", -1) < seq or (s.get("seq") == seq and not s.get("in_op")):
+                doing = f"in {s['op']}#{s['seq']}" if s.get("in_op") else "outside any collective"
+                what = f"never arrived at {name}#{seq}: it is {doing}"
+            elif s.get("seq", -1) > seq:
+                what = f"is ahead: already in {s.get('op')}#{s.get('seq')}"
+            elif s.get("op") != name:
+                what = f"issued a different collective: {s.get('op')}#{seq}"
+            if what:
+                culprits.append(
+                    ctl.culprit_from(r, what=what, info=info, state=s, stack=s.get("stack"))
+                )
+        return culprits
+
+    def is_local(self, rank: int) -> bool:
+        info = self.infos.get(rank)
+        return bool(
+            info
+            and info.get("boot") == self.identity["boot"]
+            and info.get("host") == self.identity["host"]
+            and info.get("start") is not None
+        )
+
+
+# -- formatting helpers -----------------------------------------------------------------------
+def _qualname(cls: type) -> str:
+    mod = cls.__module__
+    return cls.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{cls.__qualname__}"
+
+
+def _is_internal(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_PACKAGE_DIR) or path == _THREADING_FILE
+
+
+def format_stack(frame: FrameType, depth: int) -> str:
+    """Innermost ``depth`` frames of ``frame``, our own and threading's waits elided."""
+    frames = traceback.extract_stack(frame)
+    inside = ""
+    while frames and _is_internal(frames[-1].filename):
+        inside = f"  (inside resilient_ddp: {frames[-1].name})"
+        frames.pop()
+    text = "".join(traceback.format_list(frames[-depth:])).rstrip("\n")
+    return text + ("\n" + inside if inside else "")
+
+
+def format_tb_summary(tb: TracebackType | None, depth: int) -> str:
+    if tb is None:
+        return ""
+    frames = traceback.extract_tb(tb)
+    return "".join(traceback.format_list(frames[-depth:])).rstrip("\n")
+
+
+# -- the process-wide runtime and its hooks -------------------------------------------------
+_runtime: Runtime | None = None
+_hooks_installed = False
+_prev_excepthook: Callable[..., Any] | None = None
+_prev_thread_hook: Callable[..., Any] | None = None
+
+
+def current() -> Runtime | None:
+    return _runtime
+
+
+def set_current(rt: Runtime | None) -> None:
+    global _runtime
+    _runtime = rt
+
+
+def _excepthook(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    rt = _runtime
+    if rt is not None and not issubclass(exc_type, KeyboardInterrupt):
+        rt.report_exception(exc, tb)
+    assert _prev_excepthook is not None
+    _prev_excepthook(exc_type, exc, tb)
+    if rt is not None and rt.stuck:
+        hard_exit(1)
+
+
+def _thread_hook(args: threading.ExceptHookArgs) -> None:
+    rt = _runtime
+    if rt is not None and args.exc_value is not None:
+        name = args.thread.name if args.thread is not None else "?"
+        rt.thread_errors.append(
+            f"note: thread {name!r} died with {_qualname(args.exc_type)}: {args.exc_value}"
+        )
+    assert _prev_thread_hook is not None
+    _prev_thread_hook(args)
+
+
+def hard_exit(code: int) -> None:
+    """Exit now, after atexit handlers, without the interpreter's shutdown.
+
+    Used when a failed collective is still pending inside the backend: gloo's worker threads
+    would keep the interpreter from exiting until the process group's own timeout.
+    """
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def install_hooks() -> None:
+    global _hooks_installed, _prev_excepthook, _prev_thread_hook
+    if _hooks_installed:
+        return
+    _prev_excepthook, sys.excepthook = sys.excepthook, _excepthook
+    _prev_thread_hook, threading.excepthook = threading.excepthook, _thread_hook
+    _hooks_installed = True
+
+
+def uninstall_hooks() -> None:
+    global _hooks_installed
+    if not _hooks_installed:
+        return
+    if sys.excepthook is _excepthook and _prev_excepthook is not None:
+        sys.excepthook = _prev_excepthook
+    if threading.excepthook is _thread_hook and _prev_thread_hook is not None:
+        threading.excepthook = _prev_thread_hook
+    _hooks_installed = False
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark the phase of the current step (shown to peers when this rank fails)."""
+    rt = _runtime
+    if rt is None:
+        yield
+        return
+    prev = rt.phase
+    rt.phase = name
+    try:
+        yield
+    finally:
+        rt.phase = prev
+
+
+def timedelta_seconds(value: timedelta | float | None, default: timedelta) -> float:
+    if value is None:
+        return default.total_seconds()
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        seconds = float(value)
+    if seconds <= 0:
+        raise ResilientDDPError(f"The timeout ({value}) must be positive.")
+    return seconds

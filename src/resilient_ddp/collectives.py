@@ -1,0 +1,561 @@
+"""Timeout-aware collectives that raise typed errors naming the culprit ranks.
+
+Each function mirrors its :mod:`torch.distributed` namesake and adds keyword-only
+``timeout`` (one attempt), ``budget`` (total) and ``retry`` (attempts). Waiting never
+re-issues an op on one rank alone (FINDINGS.md: that pairs it with a peer's late call and
+corrupts data silently). Instead:
+
+1. while the late ranks are alive, the rank keeps waiting on the *same* work handle, slice
+   by slice, until the budget is spent;
+2. when every rank arrived but the op still cannot complete (a stalled data plane, a
+   backend error with every rank alive), and ``retry`` allows, the ranks agree through the
+   store, rebuild the group as a new generation, restore in-place inputs and redo the op.
+
+With ``validate=True`` a one-element MAX all-reduce of a fingerprint of (seq, op, shape,
+dtype, ...) precedes the op; a difference raises :class:`CollectiveMismatchError` with a
+per-rank table on every rank, instead of gloo's silent wrong result, SIGABRT or hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _control as ctl
+from ._backend import comm_device
+from ._runtime import PendingOp
+from .config import RetryPolicy
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigError,
+    RankFailureError,
+    RetryBudgetExhaustedError,
+)
+from .process_group import ensure_runtime
+
+__all__ = [
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+]
+
+log = logging.getLogger("resilient_ddp")
+
+T = TypeVar("T")
+Duration = timedelta | float | int | None
+_MAX_NDIM = 16
+
+
+class _Transient(Exception):
+    """An attempt failed with every rank alive and arrived: a group retry may fix it."""
+
+
+def _seconds(name: str, value: Duration, default: timedelta) -> float:
+    if value is None:
+        return default.total_seconds()
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds <= 0:
+        raise ConfigError(f"The {name} ({value}) must be positive.")
+    return seconds
+
+
+def _attempts(retry: int | RetryPolicy | None, default: RetryPolicy) -> RetryPolicy:
+    if retry is None:
+        return default
+    if isinstance(retry, RetryPolicy):
+        return retry
+    if isinstance(retry, int) and not isinstance(retry, bool):
+        return RetryPolicy(attempts=retry)
+    raise ConfigError(f"retry should be an int or a RetryPolicy, but given {retry!r}")
+
+
+class _Op:
+    """One user-facing collective: its sequence number, budgets and bookkeeping."""
+
+    def __init__(
+        self,
+        name: str,
+        group: dist.ProcessGroup | None,
+        timeout: Duration,
+        budget: Duration,
+        retry: int | RetryPolicy | None,
+        validate: bool | None,
+    ) -> None:
+        rt = ensure_runtime()
+        cfg = rt.config
+        self.rt = rt
+        self.name = name
+        self.group = group
+        self.attempt_s = _seconds("timeout", timeout, cfg.op_timeout)
+        budget_s = _seconds("budget", budget, cfg.effective_op_budget)
+        self.budget_s = max(budget_s, self.attempt_s)
+        self.policy = _attempts(retry, cfg.retry)
+        self.validate = cfg.validate_collectives if validate is None else validate
+        self.start = time.monotonic()
+        self.deadline = self.start + self.budget_s
+        self.seq = rt.begin_op(name)
+
+    def run(
+        self,
+        body: Callable[[], T],
+        *,
+        signature: dict[str, Any],
+        inplace: Sequence[torch.Tensor] = (),
+    ) -> T:
+        """Validate, then run ``body`` (which issues and waits), retrying as a group."""
+        try:
+            if self.validate:
+                _validate(self, signature)
+            saved = [t.detach().clone() for t in inplace] if self.policy.attempts > 1 else []
+            attempt = 1
+            while True:
+                try:
+                    return body()
+                except _Transient as e:
+                    cause = e.__cause__ or e
+                    if attempt >= self.policy.attempts or time.monotonic() >= self.deadline:
+                        if self.policy.attempts == 1:
+                            raise _as_final(self, cause) from cause
+                        raise RetryBudgetExhaustedError(
+                            f"{self.name}#{self.seq} failed on rank {self.rt.rank} after "
+                            f"{attempt} attempt(s) within {self.budget_s:.1f} s: {cause}",
+                            attempts=attempt,
+                            last_attempt=cause,
+                        ) from cause
+                    from .membership import regroup
+
+                    regroup(self.rt, self.name, self.seq, attempt, self.deadline)
+                    for t, s in zip(inplace, saved, strict=True):
+                        with torch.no_grad():
+                            t.copy_(s)
+                    pause = min(
+                        self.policy.backoff.total_seconds() * 2 ** (attempt - 1),
+                        self.policy.max_backoff.total_seconds(),
+                    )
+                    time.sleep(min(pause, max(0.0, self.deadline - time.monotonic())))
+                    attempt += 1
+                    self.group = None  # the rebuilt default group
+        finally:
+            self.rt.end_op()
+
+    def wait(self, work: Any) -> None:
+        """Wait for backend ``work`` within the attempt timeout and the budget.
+
+        Raises:
+            RankFailureError: A peer crashed, raised, left or stopped responding.
+            CollectiveTimeoutError: The budget ran out; names the ranks that never arrived.
+            _Transient: Every rank arrived and is alive, yet the op cannot complete.
+        """
+        rt = self.rt
+        p = PendingOp(self.name, self.seq)
+        rt.register(p)
+        try:
+            p.attach(work)
+            slice_end = time.monotonic() + self.attempt_s
+            while True:
+                now = time.monotonic()
+                p.event.wait(max(0.0, min(slice_end, self.deadline) - now))
+                if p.done and p.backend_error is None:
+                    return
+                if rt.failed_for(self.seq):
+                    raise rt.build_error(self.name, self.seq) from p.backend_error
+                if p.backend_error is not None:
+                    self._explain_backend_error(p.backend_error)
+                now = time.monotonic()
+                if now < slice_end and now < self.deadline:
+                    continue  # spurious wake-up
+                culprits = rt.diagnose(rt.control, self.name, self.seq)
+                if rt.failed_for(self.seq):
+                    continue  # the watchdog explained it meanwhile
+                alive = all(not c["what"].startswith(("is not", "is stopped")) for c in culprits)
+                if culprits and alive and time.monotonic() < self.deadline:
+                    log.warning(
+                        "rank %d: %s#%d still waiting after %.1f s for rank(s) %s (alive); "
+                        "%.1f s of budget left",
+                        rt.rank,
+                        self.name,
+                        self.seq,
+                        time.monotonic() - self.start,
+                        [c["rank"] for c in culprits],
+                        self.deadline - time.monotonic(),
+                    )
+                    slice_end = time.monotonic() + self.attempt_s
+                    continue
+                if not culprits and self.policy.attempts > 1:
+                    raise _Transient(f"{self.name}#{self.seq}: every rank arrived, no progress")
+                self._timed_out(culprits, done=p.done)
+        finally:
+            rt.unregister(p)
+            if not p.done:
+                rt.stuck.append(work)
+
+    def _explain_backend_error(self, error: BaseException) -> None:
+        rt = self.rt
+        # A backend error (connection reset, closed by peer) usually means a peer died; the
+        # watchdog names it within about one heartbeat interval.
+        grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
+        end = min(time.monotonic() + grace, self.deadline)
+        rt.watchdog.poke()
+        while time.monotonic() < end and not rt.failed_for(self.seq):
+            time.sleep(0.02)
+        if rt.failed_for(self.seq):
+            raise rt.build_error(self.name, self.seq) from error
+        culprits = rt.diagnose(rt.control, self.name, self.seq)
+        if rt.failed_for(self.seq):
+            raise rt.build_error(self.name, self.seq) from error
+        if not culprits and self.policy.attempts > 1:
+            raise _Transient(str(error)) from error
+        self._post_and_raise(
+            RankFailureError,
+            culprits,
+            f"the backend failed ({type(error).__name__}: {error})",
+            cause=error,
+        )
+
+    def _timed_out(self, culprits: list[dict[str, Any]], *, done: bool) -> None:
+        waited = time.monotonic() - self.start
+        self._post_and_raise(
+            CollectiveTimeoutError, culprits, f"timed out after {waited:.1f} s", cause=None
+        )
+
+    def _post_and_raise(
+        self,
+        cls: type[RankFailureError],
+        culprits: list[dict[str, Any]],
+        reason: str,
+        *,
+        cause: BaseException | None,
+    ) -> None:
+        rt = self.rt
+        waited = time.monotonic() - self.start
+        rt.post({
+            "kind": ctl.EV_TIMEOUT,
+            "reporter": rt.rank,
+            "op": self.name,
+            "seq": self.seq,
+            "waited": waited,
+            "culprits": culprits,
+        })
+        objs = [ctl.to_culprit(c) for c in culprits]
+        head = f"{self.name}#{self.seq} on rank {rt.rank} (generation {rt.generation}) {reason}"
+        if objs:
+            message = (
+                f"{head}; culprit rank(s): {', '.join(str(c.rank) for c in objs)}\n"
+                + "\n".join(c.describe() for c in objs)
+            )
+        else:
+            message = f"{head}; every rank arrived but the data plane did not complete the op"
+        err = cls(message, culprits=objs, op=self.name, seq=self.seq, generation=rt.generation)
+        raise err from cause
+
+
+def _as_final(op: _Op, cause: BaseException) -> BaseException:
+    if isinstance(cause, RankFailureError):
+        return cause
+    return CollectiveTimeoutError(
+        f"{op.name}#{op.seq} on rank {op.rt.rank} could not complete: {cause}",
+        op=op.name,
+        seq=op.seq,
+        generation=op.rt.generation,
+    )
+
+
+# -- validation ------------------------------------------------------------------------------
+def _fingerprint(seq: int, sig: dict[str, Any]) -> int:
+    text = f"{seq}|" + "|".join(f"{k}={sig[k]}" for k in sorted(sig))
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits: -h never overflows
+
+
+def _validate(op: _Op, sig: dict[str, Any]) -> None:
+    rt = op.rt
+    h = _fingerprint(op.seq, sig)
+    probe = torch.tensor([h, -h], dtype=torch.int64, device=comm_device(op.group))
+    op.wait(dist.all_reduce(probe, dist.ReduceOp.MAX, group=op.group, async_op=True))
+    if int(probe[0]) == h and int(-probe[1]) == h:
+        return
+    # Every rank saw the same MAX/MIN, so every rank takes this path: exchange the details.
+    rt.mismatches += 1
+    k = rt.mismatches
+    mine = {"seq": str(op.seq), **{key: str(v) for key, v in sig.items()}}
+    rt.control.publish_signature(k, rt.rank, mine)
+    table = rt.control.read_signatures(
+        k, list(range(rt.world_size)), timedelta(seconds=min(op.attempt_s, 5.0))
+    )
+    rows = {r: {key: str(v) for key, v in s.items()} for r, s in table.items()}
+    missing = [r for r in range(rt.world_size) if r not in rows]
+    counts: dict[str, int] = {}
+    for s in rows.values():
+        key = repr(sorted(s.items()))
+        counts[key] = counts.get(key, 0) + 1
+    majority = max(counts, key=lambda key: counts[key]) if counts else ""
+    odd = sorted(r for r, s in rows.items() if repr(sorted(s.items())) != majority) + missing
+    raise CollectiveMismatchError(
+        f"Ranks issued different collectives at {op.name}#{op.seq} (rank {rt.rank}); "
+        f"differing rank(s): {odd}\n" + _format_table(rows, missing),
+        table=rows,
+        ranks=odd,
+        op=op.name,
+        seq=op.seq,
+    )
+
+
+def _format_table(rows: dict[int, dict[str, str]], missing: Sequence[int]) -> str:
+    cols = sorted({k for s in rows.values() for k in s}, key=lambda c: (c != "seq", c != "op", c))
+    header = ["rank", *cols]
+    body = [[str(r)] + [rows[r].get(c, "") for c in cols] for r in sorted(rows)]
+    body += [[str(r)] + ["(no answer)"] + [""] * (len(cols) - 1) for r in missing]
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in [header, *body]]
+    return "\n".join("    " + line.rstrip() for line in lines)
+
+
+def _sig(op: str, t: torch.Tensor | None = None, **extra: Any) -> dict[str, Any]:
+    sig: dict[str, Any] = {"op": op}
+    if t is not None:
+        sig.update(shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+        sig["device"] = t.device.type
+    sig.update(extra)
+    return sig
+
+
+# -- the collectives -------------------------------------------------------------------------
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: Duration = None,
+    budget: Duration = None,
+    retry: int | RetryPolicy | None = None,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks in place, bounded in time, and return it.
+
+    Args:
+        tensor: Input and output of the collective (modified in place).
+        op: Reduction, as in torch (default ``SUM``).
+        group: Process group (default: the world).
+        timeout: One attempt's wait before the late ranks are diagnosed (timedelta or
+            seconds; default ``config.op_timeout``).
+        budget: Total time including waiting longer on alive late ranks and retries
+            (default ``config.op_budget``).
+        retry: Attempts (int) or a :class:`RetryPolicy`; a retry is a group decision and
+            restores ``tensor`` to its input value first.
+        validate: Check op, shape and dtype across ranks first (default
+            ``config.validate``).
+
+    Returns:
+        ``tensor``, holding the reduction.
+
+    Raises:
+        RankFailureError: A rank crashed, raised, left or stopped responding; names it.
+        CollectiveTimeoutError: The budget ran out; names the ranks that never arrived and
+            where their main thread is.
+        CollectiveMismatchError: With validation, ranks issued different collectives.
+        RetryBudgetExhaustedError: Every allowed attempt failed.
+    """
+    o = _Op("all_reduce", group, timeout, budget, retry, validate)
+
+    def body() -> torch.Tensor:
+        o.wait(dist.all_reduce(tensor, op, group=o.group, async_op=True))
+        return tensor
+
+    return o.run(body, signature=_sig("all_reduce", tensor, reduce=str(op)), inplace=[tensor])
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: Duration = None,
+    budget: Duration = None,
+    retry: int | RetryPolicy | None = None,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Broadcast ``tensor`` from ``src`` in place, bounded in time, and return it.
+
+    Args and Raises: as :func:`all_reduce`; ``src`` is the global rank that sends.
+    """
+    o = _Op("broadcast", group, timeout, budget, retry, validate)
+
+    def body() -> torch.Tensor:
+        o.wait(dist.broadcast(tensor, src, group=o.group, async_op=True))
+        return tensor
+
+    return o.run(body, signature=_sig("broadcast", tensor, src=src), inplace=[tensor])
+
+
+def barrier(
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: Duration = None,
+    budget: Duration = None,
+    retry: int | RetryPolicy | None = None,
+    validate: bool | None = None,
+) -> None:
+    """Block until every rank of ``group`` reaches the barrier, bounded in time.
+
+    Args and Raises: as :func:`all_reduce`. Unlike torch's gloo ``monitored_barrier``, every
+    rank (not only rank 0) learns which ranks never arrived.
+    """
+    o = _Op("barrier", group, timeout, budget, retry, validate)
+
+    def body() -> None:
+        t = torch.zeros(1, device=comm_device(o.group))
+        o.wait(dist.all_reduce(t, group=o.group, async_op=True))
+
+    o.run(body, signature=_sig("barrier"))
+
+
+def all_gather(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: Duration = None,
+    budget: Duration = None,
+    retry: int | RetryPolicy | None = None,
+    validate: bool | None = None,
+) -> list[torch.Tensor]:
+    """Gather ``tensor`` from every rank; shapes may differ between ranks.
+
+    Shapes and dtypes are exchanged first (so a dtype or rank-count mismatch is an error
+    rather than gloo's SIGABRT), then the tensors are padded to the largest, gathered and
+    trimmed.
+
+    Returns:
+        One tensor per rank of ``group``, in rank order, each with that rank's shape.
+
+    Raises:
+        CollectiveMismatchError: Ranks passed different dtypes (checked always).
+        Others: as :func:`all_reduce`.
+    """
+    o = _Op("all_gather", group, timeout, budget, retry, validate)
+    return o.run(
+        lambda: _gather_uneven(o, tensor), signature=_sig("all_gather", tensor.flatten()[:0])
+    )
+
+
+def _gather_uneven(o: _Op, tensor: torch.Tensor) -> list[torch.Tensor]:
+    if tensor.dim() > _MAX_NDIM:
+        raise ConfigError(f"all_gather supports up to {_MAX_NDIM} dimensions, got {tensor.dim()}")
+    world = dist.get_world_size(o.group)
+    device = comm_device(o.group) if tensor.device.type == "cpu" else tensor.device
+    # 1. exchange [dtype fingerprint, ndim, *shape]
+    meta = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64, device=device)
+    meta[0] = _fingerprint(0, {"dtype": str(tensor.dtype)})
+    meta[1] = tensor.dim()
+    meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    o.wait(dist.all_gather(metas, meta, group=o.group, async_op=True))
+    rows = [m.tolist() for m in metas]
+    if any(r[0] != rows[0][0] for r in rows):
+        mine = int(meta[0])
+        odd = [i for i, r in enumerate(rows) if r[0] != mine]
+        raise CollectiveMismatchError(
+            f"all_gather#{o.seq}: ranks passed tensors of different dtypes; this rank "
+            f"({o.rt.rank}) has {tensor.dtype}, rank(s) {odd} have another",
+            table={i: {"dtype_fingerprint": str(r[0])} for i, r in enumerate(rows)},
+            ranks=odd,
+            op="all_gather",
+            seq=o.seq,
+        )
+    shapes = [tuple(int(x) for x in r[2 : 2 + r[1]]) for r in rows]
+    # 2. pad to the largest, gather, 3. trim and reshape
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    longest = max(numels)
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() < longest:
+        flat = torch.cat([flat, flat.new_zeros(longest - flat.numel())])
+    flat = flat.to(device).contiguous()
+    out = [torch.empty(longest, dtype=tensor.dtype, device=device) for _ in range(world)]
+    o.wait(dist.all_gather(out, flat, group=o.group, async_op=True))
+    return [t[:n].reshape(s).to(tensor.device) for t, n, s in zip(out, numels, shapes, strict=True)]
+
+
+def all_gather_object(
+    obj: Any,
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: Duration = None,
+    budget: Duration = None,
+    retry: int | RetryPolicy | None = None,
+    validate: bool | None = None,
+) -> list[Any]:
+    """Gather a picklable object from every rank, bounded in time.
+
+    Returns:
+        One object per rank, in rank order.
+
+    Raises: as :func:`all_reduce`.
+    """
+    o = _Op("all_gather_object", group, timeout, budget, retry, validate)
+    payload = _to_bytes(obj)
+
+    def body() -> list[Any]:
+        parts = _gather_uneven(o, payload)
+        return [_from_bytes(p) for p in parts]
+
+    return o.run(body, signature=_sig("all_gather_object"))
+
+
+def broadcast_object(
+    obj: Any = None,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: Duration = None,
+    budget: Duration = None,
+    retry: int | RetryPolicy | None = None,
+    validate: bool | None = None,
+) -> Any:
+    """Send a picklable object from ``src`` to every rank, bounded in time.
+
+    Args:
+        obj: The object on ``src``; ignored elsewhere.
+        src: Global rank that sends.
+
+    Returns:
+        ``src``'s object, on every rank.
+
+    Raises: as :func:`all_reduce`.
+    """
+    o = _Op("broadcast_object", group, timeout, budget, retry, validate)
+    device = comm_device(group)
+    is_src = dist.get_rank() == src
+    payload = _to_bytes(obj).to(device) if is_src else None
+
+    def body() -> Any:
+        size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+        o.wait(dist.broadcast(size, src, group=o.group, async_op=True))
+        buf = payload if payload is not None else torch.empty(
+            int(size.item()), dtype=torch.uint8, device=device
+        )
+        o.wait(dist.broadcast(buf, src, group=o.group, async_op=True))
+        return obj if is_src else _from_bytes(buf)
+
+    return o.run(body, signature=_sig("broadcast_object", src=src))
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def _from_bytes(t: torch.Tensor) -> Any:
+    return pickle.loads(t.cpu().numpy().tobytes())  # noqa: S301 - peers of one job

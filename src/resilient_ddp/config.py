@@ -1,0 +1,257 @@
+"""Configuration: one frozen :class:`ResilienceConfig` holds every budget and policy.
+
+Durations are :class:`datetime.timedelta` (fractional seconds are kept). The environment is
+read only by :meth:`ResilienceConfig.from_env`, never implicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+__all__ = ["ResilienceConfig", "RetryPolicy", "get_config", "set_config"]
+
+_ENV_PREFIX = "RESILIENT_DDP_"
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|min|h)?\s*$")
+_UNIT_SECONDS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def _positive(name: str, value: timedelta) -> timedelta:
+    if value <= timedelta(0):
+        raise ValueError(f"The {name} ({value}) must be positive.")
+    return value
+
+
+class _Model(BaseModel):
+    """Frozen model whose validation errors surface as :class:`ConfigError`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(_format_validation_error(e)) from e
+
+
+class RetryPolicy(_Model):
+    """How a failed collective attempt is retried as a group decision.
+
+    A retry never re-issues a collective on one rank alone: every rank must fail the same
+    attempt, agree through the store, and rebuild the group before the op is redone (with
+    in-place inputs restored first).
+
+    Attributes:
+        attempts: Total attempts, including the first (1 = no retry).
+        backoff: Pause before the second attempt; doubles after each attempt.
+        max_backoff: Upper bound on the pause between attempts.
+    """
+
+    attempts: int = Field(default=1, ge=1, le=100)
+    backoff: timedelta = timedelta(milliseconds=100)
+    max_backoff: timedelta = timedelta(seconds=2)
+
+    @field_validator("backoff", "max_backoff")
+    @classmethod
+    def _non_negative(cls, v: timedelta, info: Any) -> timedelta:
+        if v < timedelta(0):
+            raise ValueError(f"The {info.field_name} ({v}) must not be negative.")
+        return v
+
+
+class ResilienceConfig(_Model):
+    """Every budget and policy of resilient_ddp, validated and immutable.
+
+    Args:
+        op_timeout: How long one attempt of a collective may wait before the ranks that have
+            not arrived are diagnosed (default 60 s).
+        op_budget: Total time a collective may take, including waiting longer on a slow but
+            alive peer and retries. ``None`` means equal to ``op_timeout``.
+        heartbeat_interval: How often each rank's watchdog publishes its heartbeat and reads
+            failure reports (default 0.5 s). Failure detection latency is about this.
+        heartbeat_timeout: A rank whose heartbeat has not changed for this long is declared
+            dead (default 15 s). Covers frozen hosts and SIGSTOP.
+        init_timeout: Budget for process-group initialisation and rendezvous (default 300 s).
+        diagnosis_timeout: How long a rank that timed out waits for the late ranks to report
+            where they are (default 1 s).
+        validate: Compare op, shape, dtype and sequence number across ranks before every
+            collective and raise :class:`CollectiveMismatchError` on a difference.
+        retry: Group-decision retry policy for collectives.
+        stack_depth: How many innermost frames of a stuck rank's main thread are reported.
+    """
+
+    op_timeout: timedelta = timedelta(seconds=60)
+    op_budget: timedelta | None = None
+    heartbeat_interval: timedelta = timedelta(milliseconds=500)
+    heartbeat_timeout: timedelta = timedelta(seconds=15)
+    init_timeout: timedelta = timedelta(seconds=300)
+    diagnosis_timeout: timedelta = timedelta(seconds=1)
+    validate_collectives: bool = Field(default=False, alias="validate")
+    retry: RetryPolicy = RetryPolicy()
+    stack_depth: int = Field(default=8, ge=1, le=100)
+
+    @field_validator(
+        "op_timeout",
+        "op_budget",
+        "heartbeat_interval",
+        "heartbeat_timeout",
+        "init_timeout",
+        "diagnosis_timeout",
+    )
+    @classmethod
+    def _check_positive(cls, v: timedelta | None, info: Any) -> timedelta | None:
+        return None if v is None else _positive(info.field_name, v)
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> ResilienceConfig:
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must be longer than "
+                f"heartbeat_interval ({self.heartbeat_interval})."
+            )
+        if self.op_budget is not None and self.op_budget < self.op_timeout:
+            raise ValueError(
+                f"op_budget ({self.op_budget}) must be at least op_timeout ({self.op_timeout})."
+            )
+        return self
+
+    @property
+    def effective_op_budget(self) -> timedelta:
+        """``op_budget``, or ``op_timeout`` when no budget was set."""
+        return self.op_budget if self.op_budget is not None else self.op_timeout
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ResilienceConfig:
+        """Build a config from ``RESILIENT_DDP_*`` environment variables.
+
+        Each field ``name`` is read from ``RESILIENT_DDP_<NAME>``; retry fields from
+        ``RESILIENT_DDP_RETRY_ATTEMPTS``, ``..._RETRY_BACKOFF`` and ``..._RETRY_MAX_BACKOFF``.
+        Durations accept a number of seconds (``"0.5"``) or a unit suffix
+        (``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"``); booleans accept 1/0, true/false, yes/no.
+
+        Args:
+            environ: Mapping to read instead of ``os.environ``.
+            **overrides: Field values that take precedence over the environment.
+
+        Raises:
+            ConfigError: A variable is unknown (a likely typo) or its value is invalid; the
+                message names the variable, the value and the rule.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        retry: dict[str, Any] = {}
+        known = _env_fields()
+        for key, raw in env.items():
+            if not key.startswith(_ENV_PREFIX):
+                continue
+            name = key[len(_ENV_PREFIX) :].lower()
+            if name in _IGNORED_ENV:
+                continue
+            if name not in known:
+                raise ConfigError(
+                    f"Unknown environment variable {key}={raw!r}; known: "
+                    + ", ".join(_ENV_PREFIX + k.upper() for k in sorted(known))
+                )
+            kind, target = known[name]
+            try:
+                value = _parse_env(kind, raw)
+            except ValueError as e:
+                raise ConfigError(f"{key}={raw!r}: {e}") from None
+            if target.startswith("retry."):
+                retry[target[len("retry.") :]] = value
+            else:
+                values[target] = value
+        if retry:
+            values["retry"] = retry
+        values.update(overrides)
+        return cls(**values)
+
+
+# Variables under the prefix that belong to the launcher/runtime, not to the config.
+_IGNORED_ENV = frozenset({"store", "joiner", "spawn_id", "fault"})
+
+
+def _env_fields() -> dict[str, tuple[str, str]]:
+    fields: dict[str, tuple[str, str]] = {}
+    for name, info in ResilienceConfig.model_fields.items():
+        if name == "retry":
+            continue
+        public = info.alias or name
+        fields[public] = (_kind_of(info.annotation), name)
+    for name, info in RetryPolicy.model_fields.items():
+        fields[f"retry_{name}"] = (_kind_of(info.annotation), f"retry.{name}")
+    return fields
+
+
+def _kind_of(annotation: Any) -> str:
+    text = str(annotation)
+    if "timedelta" in text:
+        return "duration"
+    if annotation is bool:
+        return "bool"
+    if annotation is int:
+        return "int"
+    return "str"
+
+
+def _parse_env(kind: str, raw: str) -> Any:
+    if kind == "duration":
+        return parse_duration(raw)
+    if kind == "bool":
+        low = raw.strip().lower()
+        if low in {"1", "true", "yes", "on"}:
+            return True
+        if low in {"0", "false", "no", "off"}:
+            return False
+        raise ValueError("expected a boolean (1/0, true/false, yes/no, on/off)")
+    if kind == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError("expected an integer") from None
+    return raw
+
+
+def parse_duration(raw: str) -> timedelta:
+    """Parse ``"0.5"``, ``"500ms"``, ``"30s"``, ``"2m"`` or ``"1h"`` into a timedelta.
+
+    Raises:
+        ValueError: The text is not a non-negative number with an optional unit.
+    """
+    m = _DURATION_RE.match(raw)
+    if not m:
+        raise ValueError("expected a duration: seconds as a number, or with a unit ms/s/m/h")
+    return timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{loc}={err.get('input')!r}: {msg}" if loc else msg)
+    return f"Invalid {e.title}: " + "; ".join(parts)
+
+
+_process_config: ResilienceConfig | None = None
+
+
+def set_config(config: ResilienceConfig | None) -> None:
+    """Set the process-wide default config (``None`` restores the built-in defaults)."""
+    global _process_config
+    _process_config = config
+
+
+def get_config() -> ResilienceConfig:
+    """Return the process-wide default config."""
+    return _process_config if _process_config is not None else _DEFAULT
+
+
+_DEFAULT = ResilienceConfig()

@@ -1,0 +1,341 @@
+"""Exceptions raised by resilient_ddp.
+
+Every failure the library detects reaches every rank as a subclass of
+:class:`ResilientDDPError`; the backend's own exception, when there is one, is kept as
+``__cause__``. The tree::
+
+    ResilientDDPError
+    ├── ConfigError (ValueError)          a setting is invalid
+    ├── PreflightError                    ranks disagree before training starts
+    ├── ControlPlaneError                 the c10d store (control plane) is unreachable
+    ├── RankFailureError                  one or more ranks crashed, raised, hung or left
+    │   └── CollectiveTimeoutError (TimeoutError)
+    ├── CollectiveMismatchError           ranks issued different collectives
+    ├── RetryBudgetExhaustedError         every allowed attempt failed
+    └── SpawnError                        a process launched by ``rd.spawn`` failed
+
+Catch :class:`RankFailureError` to handle "a peer is gone or stuck", or
+:class:`ResilientDDPError` for anything the library raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "ControlPlaneError",
+    "Culprit",
+    "PreflightError",
+    "RankFailureError",
+    "RankOutcome",
+    "ResilientDDPError",
+    "RetryBudgetExhaustedError",
+    "SpawnError",
+]
+
+
+class ResilientDDPError(Exception):
+    """Base class of every error raised by resilient_ddp."""
+
+
+class ConfigError(ResilientDDPError, ValueError):
+    """Raised when a setting (argument, config field or environment variable) is invalid."""
+
+
+class ControlPlaneError(ResilientDDPError):
+    """Raised when the c10d store that carries heartbeats and failure reports is unreachable.
+
+    The store must outlive every rank; when its host dies the job cannot coordinate any more
+    and this error is fatal.
+    """
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """What is known about one rank that caused a failure.
+
+    Attributes:
+        rank: Global rank in the generation where it failed.
+        host: Host name of the rank, or ``"?"`` when it never reported one.
+        pid: Process id on ``host`` (0 when unknown).
+        what: One-line description, e.g. ``"killed by SIGKILL"`` or ``"raised ValueError"``.
+        op: Name of the last collective the rank entered (``""`` if none).
+        seq: Sequence number of that collective (-1 if none).
+        step: Training step the rank was at (-1 if unknown).
+        phase: Phase within the step (``"forward"``, ``"backward"``, ``"data"``, ...).
+        exc_type: Qualified exception type name when the rank raised, else ``None``.
+        exc_message: The exception's message when the rank raised, else ``None``.
+        traceback: Summary of the exception's traceback (innermost frames last).
+        stack: Where the rank's main thread was, for a rank that is alive but stuck.
+    """
+
+    rank: int
+    host: str = "?"
+    pid: int = 0
+    what: str = "failed"
+    op: str = ""
+    seq: int = -1
+    step: int = -1
+    phase: str = ""
+    exc_type: str | None = None
+    exc_message: str | None = None
+    traceback: str | None = None
+    stack: str | None = None
+
+    def describe(self) -> str:
+        """Return a multi-line, human-readable account of this culprit."""
+        head = f"rank {self.rank} (host {self.host}, pid {self.pid}) {self.what}"
+        doing = []
+        if self.step >= 0:
+            doing.append(f"step {self.step}")
+        if self.phase:
+            doing.append(f"phase {self.phase!r}")
+        if self.op:
+            doing.append(f"last op {self.op}#{self.seq}")
+        if doing:
+            head += " [" + ", ".join(doing) + "]"
+        lines = [head]
+        if self.exc_type is not None:
+            lines.append(f"    {self.exc_type}: {self.exc_message}")
+        if self.traceback:
+            lines.append(_indent(self.traceback, "    | "))
+        if self.stack:
+            lines.append("    main thread is at:")
+            lines.append(_indent(self.stack, "    | "))
+        return "\n".join(lines)
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.rstrip("\n").splitlines())
+
+
+class RankFailureError(ResilientDDPError):
+    """Raised on every rank when one or more ranks crashed, raised, hung or left the group.
+
+    Attributes:
+        culprits: What is known of each failed rank, root cause first.
+        ranks: The failed ranks, in the order of ``culprits``.
+        hosts: Their host names, aligned with ``ranks``.
+        op: The collective this rank was in (or about to enter) when it learned of the failure.
+        seq: That collective's sequence number (-1 if none).
+        generation: Process-group generation in which the failure happened.
+        exc_type: Exception type of the first culprit that raised, else ``None``.
+        exc_message: Its message, else ``None``.
+        traceback: Its traceback summary, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        culprits: Sequence[Culprit] = (),
+        op: str = "",
+        seq: int = -1,
+        generation: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.culprits: tuple[Culprit, ...] = tuple(culprits)
+        self.op = op
+        self.seq = seq
+        self.generation = generation
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(c.rank for c in self.culprits)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(c.host for c in self.culprits)
+
+    def _first_raised(self) -> Culprit | None:
+        return next((c for c in self.culprits if c.exc_type is not None), None)
+
+    @property
+    def exc_type(self) -> str | None:
+        c = self._first_raised()
+        return c.exc_type if c else None
+
+    @property
+    def exc_message(self) -> str | None:
+        c = self._first_raised()
+        return c.exc_message if c else None
+
+    @property
+    def traceback(self) -> str | None:
+        c = self._first_raised()
+        return c.traceback if c else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep attributes when the error crosses a process boundary (rd.spawn, pickling).
+        return (
+            _rebuild_error,
+            (type(self), str(self), self.culprits, self.op, self.seq, self.generation),
+        )
+
+
+def _rebuild_error(
+    cls: type[RankFailureError],
+    message: str,
+    culprits: tuple[Culprit, ...],
+    op: str,
+    seq: int,
+    generation: int,
+) -> RankFailureError:
+    return cls(message, culprits=culprits, op=op, seq=seq, generation=generation)
+
+
+class CollectiveTimeoutError(RankFailureError, TimeoutError):
+    """Raised when a collective did not complete within its timeout or budget.
+
+    ``culprits`` lists the ranks that never arrived or stopped responding, with where their
+    main thread was; it is empty when every rank arrived and the data plane itself stalled.
+    """
+
+
+class CollectiveMismatchError(ResilientDDPError):
+    """Raised on every rank when ranks issued different collectives (op, shape, dtype, seq).
+
+    Attributes:
+        table: Per-rank signature of the collective each rank issued.
+        ranks: Ranks whose signature differs from the most common one.
+        op: The collective this rank issued.
+        seq: Its sequence number.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        table: Mapping[int, Mapping[str, str]] | None = None,
+        ranks: Sequence[int] = (),
+        op: str = "",
+        seq: int = -1,
+    ) -> None:
+        super().__init__(message)
+        self.table: dict[int, dict[str, str]] = {
+            int(r): dict(sig) for r, sig in (table or {}).items()
+        }
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.op = op
+        self.seq = seq
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_mismatch,
+            (str(self), self.table, self.ranks, self.op, self.seq),
+        )
+
+
+def _rebuild_mismatch(
+    message: str,
+    table: dict[int, dict[str, str]],
+    ranks: tuple[int, ...],
+    op: str,
+    seq: int,
+) -> CollectiveMismatchError:
+    return CollectiveMismatchError(message, table=table, ranks=ranks, op=op, seq=seq)
+
+
+class PreflightError(ResilientDDPError):
+    """Raised when ranks disagree before work starts (environment, parameters, devices).
+
+    Attributes:
+        problems: One line per problem found, each naming the rank(s) involved.
+        table: Per-rank values that were compared.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        problems: Sequence[str] = (),
+        table: Mapping[int, Mapping[str, str]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.problems: tuple[str, ...] = tuple(problems)
+        self.table: dict[int, dict[str, str]] = {
+            int(r): dict(v) for r, v in (table or {}).items()
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_preflight, (str(self), self.problems, self.table))
+
+
+def _rebuild_preflight(
+    message: str, problems: tuple[str, ...], table: dict[int, dict[str, str]]
+) -> PreflightError:
+    return PreflightError(message, problems=problems, table=table)
+
+
+class RetryBudgetExhaustedError(ResilientDDPError):
+    """Raised when every attempt allowed by the retry policy or the total budget failed.
+
+    Attributes:
+        attempts: Number of attempts made.
+        last_attempt: The exception of the last attempt (also ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, attempts: int, last_attempt: BaseException) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.last_attempt = last_attempt
+
+    def reraise(self) -> None:
+        """Raise the last attempt's exception."""
+        raise self.last_attempt
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one process launched by :func:`resilient_ddp.spawn` ended.
+
+    Attributes:
+        rank: The process's rank.
+        exitcode: Its exit code; negative for a signal (``-9`` for SIGKILL), ``None`` if it
+            had to be killed by the launcher at the deadline.
+        value: What the function returned (``None`` if it did not return).
+        exc_type: Qualified type name of the exception it raised, if any.
+        exc_message: That exception's message.
+        traceback: That exception's formatted traceback.
+        exception: The exception object itself when it could be pickled back.
+    """
+
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    exc_type: str | None = None
+    exc_message: str | None = None
+    traceback: str | None = None
+    exception: BaseException | None = field(default=None, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0 and self.exc_type is None
+
+
+class SpawnError(ResilientDDPError):
+    """Raised by :func:`resilient_ddp.spawn` when a process raised, died or overran the deadline.
+
+    Attributes:
+        outcomes: How every process ended, indexed by rank.
+    """
+
+    def __init__(self, message: str, *, outcomes: Sequence[RankOutcome]) -> None:
+        super().__init__(message)
+        self.outcomes: tuple[RankOutcome, ...] = tuple(outcomes)
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(o.rank for o in self.outcomes if not o.ok)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SpawnError._rebuild, (str(self), self.outcomes))
+
+    @staticmethod
+    def _rebuild(message: str, outcomes: tuple[RankOutcome, ...]) -> SpawnError:
+        return SpawnError(message, outcomes=outcomes)

@@ -1,0 +1,230 @@
+"""Process-group lifecycle: init (or attach to a group torch already made) and destroy."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _control as ctl
+from . import _runtime
+from ._backend import abort_group, backend_name, default_pg_timeout
+from ._runtime import Runtime
+from .config import ResilienceConfig, get_config
+from .errors import ConfigError, PreflightError
+from .watchdog import Watchdog
+
+__all__ = ["destroy_process_group", "init_process_group", "is_initialized"]
+
+log = logging.getLogger("resilient_ddp")
+
+STORE_ENV = "RESILIENT_DDP_STORE"
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: dist.Store | None = None,
+    timeout: timedelta | None = None,
+    config: ResilienceConfig | None = None,
+    device_id: Any = None,
+) -> None:
+    """Initialise the default process group and start failure detection on this rank.
+
+    Arguments mirror :func:`torch.distributed.init_process_group`; with none given it reads
+    torchrun's (or :func:`resilient_ddp.spawn`'s) environment (``env://``). If torch's
+    default group already exists (the user called ``torch.distributed.init_process_group``),
+    this attaches to it and to its store instead of creating another.
+
+    Every rank must call it. It blocks until every rank has attached, at most
+    ``config.init_timeout``.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or ``None`` (torch's default: gloo for CPU tensors,
+            NCCL for CUDA tensors when available).
+        init_method: URL of the rendezvous, as in torch (default ``env://``).
+        rank: This process's rank (default: from the environment).
+        world_size: Number of ranks (default: from the environment).
+        store: A c10d store to rendezvous through instead of ``init_method``. It must outlive
+            every rank (host it in the launching process, as :func:`spawn` does).
+        timeout: The backend's own timeout. Defaults to the op budget plus the heartbeat
+            timeout plus 30 s rather than torch's 30 minutes, so that a process whose op is
+            stuck on a stopped peer can still exit soon after our error.
+        config: Budgets and policies (default: the process-wide config).
+        device_id: Passed to torch (binds NCCL communicators to a device).
+
+    Raises:
+        ConfigError: Already initialised through resilient_ddp.
+        PreflightError: Some rank did not attach within ``config.init_timeout``.
+    """
+    if _runtime.current() is not None:
+        raise ConfigError("resilient_ddp is already initialised in this process.")
+    cfg = config if config is not None else get_config()
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {
+            "timeout": timeout
+            if timeout is not None
+            else default_pg_timeout(cfg.effective_op_budget, cfg.heartbeat_timeout),
+        }
+        if init_method is not None:
+            kwargs["init_method"] = init_method
+        if store is not None:
+            kwargs["store"] = store
+        if rank is not None:
+            kwargs["rank"] = rank
+        if world_size is not None:
+            kwargs["world_size"] = world_size
+        if device_id is not None:
+            kwargs["device_id"] = device_id
+        dist.init_process_group(backend, **kwargs)
+        owns = True
+    else:
+        owns = False
+    attach(cfg, owns_group=owns, store=store)
+
+
+def is_initialized() -> bool:
+    """Whether this process is attached to resilient_ddp's failure detection."""
+    return _runtime.current() is not None
+
+
+def control_store(explicit: dist.Store | None = None) -> dist.Store:
+    """The store that carries the control plane, wrapped in the library's namespace.
+
+    Under :func:`resilient_ddp.spawn` it is the launcher's store (named in
+    ``RESILIENT_DDP_STORE``), which outlives every rank; otherwise the store given to
+    ``init_process_group`` or torch's default store (torchrun's agent store under torchrun).
+    """
+    addr = os.environ.get(STORE_ENV)
+    if addr:
+        host, _, port = addr.rpartition(":")
+        root: dist.Store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=60)
+        )
+    elif explicit is not None:
+        root = explicit
+    else:
+        root = dist.distributed_c10d._get_default_store()
+    return ctl.root_prefix(root)
+
+
+def attach(
+    config: ResilienceConfig | None = None,
+    *,
+    owns_group: bool = False,
+    store: dist.Store | None = None,
+) -> Runtime:
+    """Start failure detection on top of torch's existing default process group.
+
+    Blocks until every rank attached (at most ``config.init_timeout``).
+
+    Raises:
+        ConfigError: torch's default process group does not exist.
+        PreflightError: Some rank did not attach in time.
+    """
+    if not dist.is_initialized():
+        raise ConfigError(
+            "No process group: call resilient_ddp.init_process_group() (or "
+            "torch.distributed.init_process_group()) on every rank first."
+        )
+    cfg = config if config is not None else get_config()
+    rt = Runtime(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        backend=backend_name(),
+        control_root=control_store(store),
+        config=cfg,
+        owns_group=owns_group,
+    )
+    _join_control_plane(rt)
+    _runtime.set_current(rt)
+    _runtime.install_hooks()
+    return rt
+
+
+def _join_control_plane(rt: Runtime) -> None:
+    c = rt.control
+    c.publish_info(rt.rank, rt.identity)
+    c.init_counters()
+    c.publish_state(rt.rank, rt.snapshot(0))
+    keys = [f"state/{r}" for r in range(rt.world_size)]
+    keys += [f"info/{r}" for r in range(rt.world_size)]
+    try:
+        c.wait_keys(keys, rt.config.init_timeout)
+    except Exception as e:
+        missing = [r for r in range(rt.world_size) if not c.has_state(r)]
+        raise PreflightError(
+            f"Rank(s) {missing} did not attach to resilient_ddp within "
+            f"{rt.config.init_timeout}: every rank must call resilient_ddp.init_process_group() "
+            "(or its first resilient_ddp collective) at start-up.",
+            problems=[f"rank {r} never attached" for r in missing],
+        ) from e
+    rt.infos = c.read_infos(list(range(rt.world_size)))
+    rt.watchdog = Watchdog(rt)
+    rt.watchdog.start()
+
+
+def ensure_runtime() -> Runtime:
+    """The current runtime, attaching to torch's default group on first use."""
+    rt = _runtime.current()
+    if rt is None:
+        rt = attach()
+    return rt
+
+
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """Tell the peers this rank leaves, stop failure detection and destroy the group.
+
+    If an exception is in flight (called from ``finally`` or ``except``), it is reported to
+    the peers first, so that they name it rather than a bare departure. Returns within about
+    one heartbeat interval, also after a failure with ops still stuck in the backend.
+
+    Args:
+        group: As in torch; ``None`` destroys the default group and detaches.
+    """
+    rt = _runtime.current()
+    if group is not None:
+        dist.destroy_process_group(group)
+        return
+    if rt is not None:
+        exc = sys.exc_info()[1]
+        if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            rt.report_exception(exc)
+        _detach(rt)
+        if rt.stuck:
+            # A gloo group whose op is stuck behind a stopped peer blocks in its destructor
+            # until the backend's timeout: abort it and keep it referenced for good.
+            abort_group()
+            _abandoned.append((dist.group.WORLD, rt.stuck))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# Groups (and their stuck works) abandoned after a failure; never destructed, see above.
+_abandoned: list[Any] = []
+
+
+def _detach(rt: Runtime) -> None:
+    rt.report_left()
+    if rt.watchdog is not None:
+        rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
+    _runtime.set_current(None)
+    _runtime.uninstall_hooks()
+
+
+@atexit.register
+def _at_exit() -> None:
+    # The user never called destroy_process_group(): still tell the peers and stop the
+    # watchdog before the interpreter tears down (a thread inside a store call at exit
+    # aborts the process).
+    rt = _runtime.current()
+    if rt is not None:
+        _detach(rt)

@@ -1,0 +1,163 @@
+"""Watchdog: one thread per rank that publishes its heartbeat and watches its peers.
+
+Each tick (every ``heartbeat_interval``) it makes two store round trips: it publishes this
+rank's state, and reads the event counter, the diagnosis counter and the state of the two
+ring successors it watches. It declares a watched rank dead when its heartbeat has not
+changed for ``heartbeat_timeout``, and a rank on the same host dead as soon as its process is
+gone. It fails every pending op when a failure is reported and, with NCCL, aborts the
+communicator so that kernels stuck on a dead peer are released. It never waits on the store
+for a key that may not exist (that would flood logs and block shutdown), and stops within
+one interval when asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from . import _control as ctl
+from ._runtime import Runtime
+from .errors import ControlPlaneError
+
+__all__: list[str] = []
+
+log = logging.getLogger("resilient_ddp")
+
+
+class Watchdog(threading.Thread):
+    """Heartbeat publisher and failure detector for one rank; see the module docstring."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(name=f"resilient_ddp-watchdog-r{runtime.rank}", daemon=True)
+        self.rt = runtime
+        self.control = runtime.control.clone()
+        self.interval = runtime.config.heartbeat_interval.total_seconds()
+        self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
+        self._stop_event = threading.Event()
+        self._wake = threading.Event()
+        self._beat = 0
+        self._events_seen = 0
+        self._diag_answered = 0
+        self._last_change: dict[int, tuple[int, float]] = {}
+        world, rank = runtime.world_size, runtime.rank
+        self.watched = sorted({(rank + k) % world for k in (1, 2)} - {rank})
+        self.local_peers = [r for r in range(world) if r != rank and runtime.is_local(r)]
+        self.aborted = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def stop(self, timeout: float | None = None) -> None:
+        """Ask the thread to stop and wait for it (at most ``timeout`` seconds)."""
+        self._stop_event.set()
+        self._wake.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+    def poke(self) -> None:
+        """Run the next tick now instead of at the end of the interval."""
+        self._wake.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                self.tick()
+                self._wake.wait(self.interval)
+                self._wake.clear()
+        except ControlPlaneError as e:
+            if not self._stop_event.is_set():
+                log.error("rank %d: %s", self.rt.rank, e)
+                self.rt.on_control_plane_lost(e)
+                self._abort_backend()
+        except Exception:  # noqa: BLE001 - a dying watchdog must say why, once
+            log.exception("rank %d: resilient_ddp watchdog crashed", self.rt.rank)
+
+    # -- one tick ----------------------------------------------------------------------------
+    def tick(self) -> None:
+        rt = self.rt
+        self._beat += 1
+        self.control.publish_state(rt.rank, self._state())
+        n_events, diag, states = self.control.poll(self.watched)
+        if n_events != self._events_seen:
+            events = self.control.read_events()
+            fresh = events[self._events_seen :]
+            self._events_seen = len(events)
+            before = len(rt.failures)
+            rt.record_events(fresh)
+            if len(rt.failures) > before:
+                self._on_failure()
+        if diag > self._diag_answered:
+            self._diag_answered = diag
+            self.control.publish_state(rt.rank, self._state(with_stack=True))
+        self._check_heartbeats(states)
+        self._check_local_processes()
+
+    def _state(self, *, with_stack: bool = False) -> dict[str, Any]:
+        state = self.rt.snapshot(self._beat)
+        state["diag"] = self._diag_answered
+        if with_stack:
+            state["stack"] = self.rt.main_stack()
+        return state
+
+    def _check_heartbeats(self, states: dict[int, dict[str, Any]]) -> None:
+        now = time.monotonic()
+        for r, s in states.items():
+            beat = int(s.get("beat", 0))
+            last = self._last_change.get(r)
+            if last is None or last[0] != beat:
+                self._last_change[r] = (beat, now)
+                continue
+            silent = now - last[1]
+            if silent < self.hb_timeout or s.get("status") != "running" or r in self.rt.left:
+                continue
+            what = f"stopped sending heartbeats ({silent:.1f} s without one)"
+            info = self.rt.infos.get(r, {})
+            if self.rt.is_local(r) and ctl.process_state(int(info.get("pid", 0))) == "T":
+                what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silent:.1f} s"
+            self._report(ctl.EV_UNRESPONSIVE, r, what, s)
+            self._last_change[r] = (beat, float("inf"))  # report once
+
+    def _check_local_processes(self) -> None:
+        for r in self.local_peers:
+            if r in self.rt.left:
+                continue
+            info = self.rt.infos[r]
+            if ctl.same_process_alive(int(info["pid"]), info.get("start")):
+                continue
+            self.local_peers = [p for p in self.local_peers if p != r]
+            state = self.control.read_states([r]).get(r) if self.control.has_state(r) else None
+            if state is not None and state.get("status") == "left":
+                continue
+            self._report(ctl.EV_CRASH, r, f"died (process {info['pid']} is gone)", state)
+
+    def _report(self, kind: str, r: int, what: str, state: dict[str, Any] | None) -> None:
+        if not self.control.claim(r):
+            return  # someone else reported it first
+        culprit = ctl.culprit_from(r, what=what, info=self.rt.infos.get(r), state=state)
+        log.warning("rank %d: rank %d %s", self.rt.rank, r, what)
+        self.control.post_event({
+            "kind": kind,
+            "rank": r,
+            "reporter": self.rt.rank,
+            "gen": self.rt.generation,
+            "t": time.time(),
+            "culprit": culprit,
+        })
+        self.poke()
+
+    # -- on failure --------------------------------------------------------------------------
+    def _on_failure(self) -> None:
+        # With NCCL, kernels waiting on a dead peer never finish by themselves: abort the
+        # communicator. Gloo's abort cannot interrupt a blocked op and leaves the group
+        # unusable, so it is left to time out (FINDINGS: waiting ops are failed through our
+        # futures instead).
+        if self.rt.backend == "nccl":
+            self._abort_backend()
+
+    def _abort_backend(self) -> None:
+        if self.aborted:
+            return
+        self.aborted = True
+        from ._backend import abort_group
+
+        abort_group()

@@ -1,0 +1,188 @@
+"""Autouse fixtures that keep each test hermetic, after Lightning's ``tests_fabric/conftest.py``.
+
+Each test must leave behind no environment variables, no process group, no threads and
+no child processes. Otherwise the next test would inherit them, and a failure would show
+up far from its cause. The fixtures are set up in the order written here and torn down in
+reverse: the process group is destroyed first, then child processes are killed, then the
+threads are checked, and the environment is checked last.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+# Variables that may differ after a test without failing it. Every entry needs a reason.
+_ENV_ALLOWLIST = frozenset(
+    {
+        # pytest rewrites it for each phase (setup/call/teardown) of every test.
+        "PYTEST_CURRENT_TEST",
+        # torch's in-process launchers (`torch.distributed.run.main`, `elastic_launch`) set
+        # these in the *launching* process. They are still restored after the test.
+        "OMP_NUM_THREADS",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE",
+        # The first import of torch._dynamo sets this as a side effect
+        # (torch/_dynamo/package.py -> cache_dir()). Constructing DDP triggers that import,
+        # so whichever test builds the first DDP model would fail, depending on test order.
+        "TORCHINDUCTOR_CACHE_DIR",
+        # Set by inductor when it launches a Triton kernel (CUDA + torch.compile only).
+        "TRITON_CACHE_DIR",
+    }
+)
+# Owned by pytest: never restored by us (pytest removes it itself after teardown).
+_ENV_PYTEST_OWNED = frozenset({"PYTEST_CURRENT_TEST"})
+
+# How long the thread police waits for new threads that are already finishing.
+_THREAD_JOIN_GRACE_S = 2.0
+# Name prefixes of threads that some tool starts and owns, so a test cannot stop them.
+# Empty for now: no tool thread outlived a test when this was checked with
+# pytest-timeout's signal method (the Linux default), hypothesis, mp.spawn + gloo, DDP
+# with a comm hook, and torchrun. Add a prefix only together with the tool that needs it.
+_THREAD_NAME_ALLOWLIST: tuple[str, ...] = ()
+
+_CHILD_TERMINATE_GRACE_S = 2.0
+
+
+# Where faulthandler writes (a copy of the real stderr), and whether this conftest enabled it.
+_FAULTHANDLER_FD = pytest.StashKey[int]()
+_FAULTHANDLER_ENABLED_HERE = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Turn on faulthandler, so that a crash or a hang leaves a stack of every thread.
+
+    pytest's faulthandler plugin normally has it on already; this covers a run with
+    ``-p no:faulthandler``. It also makes ``kill -USR1 <pytest pid>`` dump every thread's
+    stack and keep running, for looking inside a stuck test. Both write to the real
+    stderr. pytest's fd capture is suspended while the descriptor is copied, because
+    otherwise a dump during a passing test would go into its discarded captured output.
+    """
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture()
+    try:
+        fd = os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2)
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
+    config.stash[_FAULTHANDLER_FD] = fd
+    config.stash[_FAULTHANDLER_ENABLED_HERE] = not faulthandler.is_enabled()
+    if config.stash[_FAULTHANDLER_ENABLED_HERE]:
+        faulthandler.enable(file=fd, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=fd, all_threads=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Undo :func:`pytest_configure` before its descriptor is closed."""
+    if _FAULTHANDLER_FD not in config.stash:
+        return
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.unregister(signal.SIGUSR1)
+    if config.stash[_FAULTHANDLER_ENABLED_HERE]:
+        faulthandler.disable()
+    os.close(config.stash[_FAULTHANDLER_FD])
+
+
+@pytest.fixture(autouse=True)
+def restore_env_variables() -> Iterator[None]:
+    """Fail a test that adds, changes or removes environment variables, then restore them.
+
+    Set variables with ``monkeypatch.setenv``. monkeypatch is undone before this check runs.
+    """
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+
+    added = sorted(after.keys() - before.keys())
+    removed = sorted(before.keys() - after.keys())
+    changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
+
+    # Restore first, so that a failure here does not spread to the next test.
+    for key in added:
+        if key not in _ENV_PYTEST_OWNED:
+            del os.environ[key]
+    for key in removed + changed:
+        if key not in _ENV_PYTEST_OWNED:
+            os.environ[key] = before[key]
+
+    problems = [
+        f"{kind} {key}={after.get(key, before.get(key))!r}"
+        for kind, keys in (("added", added), ("removed", removed), ("changed", changed))
+        for key in keys
+        if key not in _ENV_ALLOWLIST
+    ]
+    if problems:
+        pytest.fail("test leaked environment variable(s): " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def thread_police() -> Iterator[None]:
+    """Fail a test that leaves any new thread running, daemon or not.
+
+    Threads that are already finishing get up to 2 s in total to exit. Some threads are
+    skipped: ``threading._DummyThread`` entries, which stand for threads started outside
+    Python (gloo/c10d C++ threads that ran a Python callback), cannot be joined and never
+    leave ``threading.enumerate()`` on 3.11. Threads whose names are in
+    ``_THREAD_NAME_ALLOWLIST`` are skipped too.
+    """
+    before = set(threading.enumerate())
+    yield
+    candidates = [
+        t
+        for t in threading.enumerate()
+        if t not in before
+        and not isinstance(t, threading._DummyThread)
+        and not t.name.startswith(_THREAD_NAME_ALLOWLIST)
+    ]
+    deadline = time.monotonic() + _THREAD_JOIN_GRACE_S
+    for thread in candidates:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [t for t in candidates if t.is_alive()]
+    if alive:
+        described = ", ".join(f"{t.name!r} (daemon={t.daemon}, ident={t.ident})" for t in alive)
+        pytest.fail(f"test left thread(s) running: {described}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    """Fail a test that leaves ``multiprocessing`` children alive, after killing them.
+
+    Only children started during the test count, so a session-scoped fixture may keep a
+    helper process. Children are sent SIGTERM, then SIGKILL if they ignore it, so they
+    never outlive the test. ``subprocess.Popen`` children are not visible here. A test
+    that starts one must wait for it itself.
+    """
+    before = set(multiprocessing.active_children())
+    yield
+    leftover = [p for p in multiprocessing.active_children() if p not in before]
+    if not leftover:
+        return
+    described = ", ".join(f"{p.name} (pid={p.pid})" for p in leftover)
+    for proc in leftover:
+        proc.terminate()
+    deadline = time.monotonic() + _CHILD_TERMINATE_GRACE_S
+    for proc in leftover:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=_CHILD_TERMINATE_GRACE_S)
+    pytest.fail(f"test left child process(es) running: {described}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def teardown_process_group() -> Iterator[None]:
+    """Destroy the default process group if the test left one initialized."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,37 @@
+"""The installed distribution matches what ``pyproject.toml`` promises."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.resources
+import importlib.util
+
+import resilient_ddp
+
+
+def test_all_is_sorted() -> None:
+    assert list(resilient_ddp.__all__) == sorted(resilient_ddp.__all__)
+
+
+def test_all_has_no_duplicates() -> None:
+    assert len(set(resilient_ddp.__all__)) == len(resilient_ddp.__all__)
+
+
+def test_every_public_name_is_accessible() -> None:
+    missing = [name for name in resilient_ddp.__all__ if not hasattr(resilient_ddp, name)]
+    assert missing == []
+
+
+def test_version_matches_distribution_metadata() -> None:
+    assert resilient_ddp.__version__ == importlib.metadata.version("resilient-ddp")
+
+
+def test_py_typed_marker_is_shipped() -> None:
+    assert importlib.resources.files("resilient_ddp").joinpath("py.typed").is_file()
+
+
+def test_console_script_points_at_main_module() -> None:
+    (entry_point,) = importlib.metadata.entry_points(group="console_scripts", name="resilient-ddp")
+    assert entry_point.value == "resilient_ddp.__main__:main"
+    # Found without importing it: importing __main__ must not start the demo.
+    assert importlib.util.find_spec("resilient_ddp.__main__") is not None
