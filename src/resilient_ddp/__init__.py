@@ -63,11 +63,9 @@ __all__ = [
     "spawn",
 ]
 
+# Show public names as resilient_ddp.X (in reprs, docs and tracebacks), as httpx does.
 for _name in __all__:
     _obj = globals()[_name]
-    if hasattr(_obj, "__module__") and not isinstance(_obj, str):
-        try:
-            _obj.__module__ = __name__
-        except (AttributeError, TypeError):
-            pass
+    if isinstance(_obj, type) or callable(_obj):
+        _obj.__module__ = __name__
 del _name, _obj

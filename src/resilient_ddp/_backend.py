@@ -48,7 +48,7 @@ def abort_group(group: dist.ProcessGroup | None = None) -> None:
         fn = getattr(c10d, "_abort_process_group", None)
         if fn is not None:
             fn(pg)
-    except Exception:  # noqa: BLE001 - aborting is best effort on an already failed group
+    except Exception:
         log.debug("abort of process group failed", exc_info=True)
 
 

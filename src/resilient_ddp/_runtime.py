@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -17,7 +18,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -32,7 +32,6 @@ from .errors import (
     ControlPlaneError,
     Culprit,
     RankFailureError,
-    ResilientDDPError,
 )
 
 __all__: list[str] = []
@@ -41,6 +40,7 @@ log = logging.getLogger("resilient_ddp")
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _THREADING_FILE = os.path.abspath(threading.__file__)
+_MULTIPROCESSING_DIR = os.path.dirname(os.path.abspath(multiprocessing.__file__))
 # Errors a rank raises because of someone else: reporting them would name the wrong culprit.
 _SECONDARY = (RankFailureError, CollectiveMismatchError, ControlPlaneError)
 
@@ -95,9 +95,10 @@ class PendingOp:
             self.backend_error = e
         self.done = True
         self.event.set()
-        if self.future is not None and self.backend_error is None:
-            if self.settled.acquire(blocking=False):
-                self.future.set_result(self.result_fn(value) if self.result_fn else value)
+        ok = self.future is not None and self.backend_error is None
+        if ok and self.settled.acquire(blocking=False):
+            assert self.future is not None
+            self.future.set_result(self.result_fn(value) if self.result_fn else value)
 
     def fail_future(self, error: BaseException) -> None:
         """Fail the async future (once); blocking waiters are woken through :attr:`event`."""
@@ -211,19 +212,20 @@ class Runtime:
         woke = False
         with self.lock:
             for ev in events:
-                if ev.get("reporter") == self.rank and ev["kind"] != ctl.EV_TIMEOUT:
-                    continue
-                if ev["kind"] == ctl.EV_LEFT:
+                kind = ev["kind"]
+                if kind == ctl.EV_LEFT:
                     if ev["rank"] != self.rank:
                         self.left[ev["rank"]] = ev
                         woke = True
                     continue
                 if ev.get("secondary"):
                     continue
-                if ev["kind"] == ctl.EV_TIMEOUT and ev.get("reporter") == self.rank:
-                    continue
-                if ev.get("rank") == self.rank and ev["kind"] != ctl.EV_TIMEOUT:
-                    continue
+                if kind == ctl.EV_TIMEOUT and ev.get("reporter") == self.rank:
+                    continue  # this rank raised it already
+                if kind == ctl.EV_EXCEPTION and ev.get("rank") == self.rank:
+                    continue  # this rank is dying of it
+                # Reports by this rank about others, and reports about this rank (declared
+                # dead while stopped, say), both doom its pending ops.
                 self.failures.append(ev)
                 woke = True
             pending = list(self.pending)
@@ -257,8 +259,11 @@ class Runtime:
                     found.setdefault(c["rank"], ctl.to_culprit(c))
             else:
                 found.setdefault(ev["rank"], ctl.to_culprit(ev["culprit"]))
-        for r, ev in sorted(self.left.items()):
-            if ev.get("final_seq", -1) < seq:
+        # Ranks that left before this op: named when they left on their own; a rank that
+        # left because of a failure reported above is a consequence, not a cause.
+        gone = [(r, ev) for r, ev in sorted(self.left.items()) if ev.get("final_seq", -1) < seq]
+        for r, ev in gone:
+            if not ev.get("secondary") or not found:
                 found.setdefault(r, ctl.to_culprit(ev["culprit"]))
         return cls, list(found.values())
 
@@ -374,7 +379,9 @@ class Runtime:
         deadline = time.monotonic() + self.config.diagnosis_timeout.total_seconds()
         states = control.read_states(others)
         while time.monotonic() < deadline:
-            if all(s.get("diag", 0) >= request or s.get("status") != "running" for s in states.values()):
+            if all(
+                s.get("diag", 0) >= request or s.get("status") != "running" for s in states.values()
+            ):
                 break
             time.sleep(0.05)
             states = control.read_states(others)
@@ -404,6 +411,14 @@ class Runtime:
                 culprits.append(
                     ctl.culprit_from(r, what=what, info=info, state=s, stack=s.get("stack"))
                 )
+        # Name root causes only. A rank blocked in an earlier collective is waiting on
+        # someone else; a rank ahead may simply have completed its part (a broadcast
+        # receiver does not wait for the others). Each is named only when nothing more
+        # basic explains the stall (then it skipped or diverged).
+        for level in (0, 1, 2):
+            named = [c for c in culprits if _blame_level(c["what"]) == level]
+            if named:
+                return named
         return culprits
 
     def is_local(self, rank: int) -> bool:
@@ -414,6 +429,14 @@ class Runtime:
             and info.get("host") == self.identity["host"]
             and info.get("start") is not None
         )
+
+
+def _blame_level(what: str) -> int:
+    if what.startswith("is ahead"):
+        return 2
+    if what.startswith("never arrived") and "outside any collective" not in what:
+        return 1
+    return 0
 
 
 # -- formatting helpers -----------------------------------------------------------------------
@@ -429,7 +452,14 @@ def _is_internal(filename: str) -> bool:
 
 def format_stack(frame: FrameType, depth: int) -> str:
     """Innermost ``depth`` frames of ``frame``, our own and threading's waits elided."""
-    frames = traceback.extract_stack(frame)
+    # Launcher frames (multiprocessing, our spawn wrapper) tell the reader nothing.
+    frames = [
+        f
+        for f in traceback.extract_stack(frame)
+        if f.filename != "<string>"
+        and not os.path.abspath(f.filename).startswith(_MULTIPROCESSING_DIR)
+        and not os.path.abspath(f.filename).endswith(os.path.join("resilient_ddp", "launch.py"))
+    ]
     inside = ""
     while frames and _is_internal(frames[-1].filename):
         inside = f"  (inside resilient_ddp: {frames[-1].name})"
@@ -469,7 +499,7 @@ def _excepthook(
         rt.report_exception(exc, tb)
     assert _prev_excepthook is not None
     _prev_excepthook(exc_type, exc, tb)
-    if rt is not None and rt.stuck:
+    if rt is not None and (rt.stuck or rt.failures):
         hard_exit(1)
 
 
@@ -531,15 +561,3 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         rt.phase = prev
-
-
-def timedelta_seconds(value: timedelta | float | None, default: timedelta) -> float:
-    if value is None:
-        return default.total_seconds()
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    else:
-        seconds = float(value)
-    if seconds <= 0:
-        raise ResilientDDPError(f"The timeout ({value}) must be positive.")
-    return seconds

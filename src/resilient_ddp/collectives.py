@@ -59,7 +59,7 @@ Duration = timedelta | float | int | None
 _MAX_NDIM = 16
 
 
-class _Transient(Exception):
+class _TransientError(Exception):
     """An attempt failed with every rank alive and arrived: a group retry may fix it."""
 
 
@@ -124,7 +124,7 @@ class _Op:
             while True:
                 try:
                     return body()
-                except _Transient as e:
+                except _TransientError as e:
                     cause = e.__cause__ or e
                     if attempt >= self.policy.attempts or time.monotonic() >= self.deadline:
                         if self.policy.attempts == 1:
@@ -157,7 +157,7 @@ class _Op:
         Raises:
             RankFailureError: A peer crashed, raised, left or stopped responding.
             CollectiveTimeoutError: The budget ran out; names the ranks that never arrived.
-            _Transient: Every rank arrived and is alive, yet the op cannot complete.
+            _TransientError: Every rank arrived and is alive, yet the op cannot complete.
         """
         rt = self.rt
         p = PendingOp(self.name, self.seq)
@@ -195,11 +195,15 @@ class _Op:
                     slice_end = time.monotonic() + self.attempt_s
                     continue
                 if not culprits and self.policy.attempts > 1:
-                    raise _Transient(f"{self.name}#{self.seq}: every rank arrived, no progress")
+                    raise _TransientError(
+                        f"{self.name}#{self.seq}: every rank arrived, no progress"
+                    )
                 self._timed_out(culprits, done=p.done)
         finally:
             rt.unregister(p)
-            if not p.done:
+            if not p.done or p.backend_error is not None:
+                # Never let a failed gloo work be destructed by the garbage collector: its
+                # destructor can block on a stopped peer or throw (SIGABRT) on a dead one.
                 rt.stuck.append(work)
 
     def _explain_backend_error(self, error: BaseException) -> None:
@@ -217,7 +221,7 @@ class _Op:
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq) from error
         if not culprits and self.policy.attempts > 1:
-            raise _Transient(str(error)) from error
+            raise _TransientError(str(error)) from error
         self._post_and_raise(
             RankFailureError,
             culprits,
@@ -241,14 +245,16 @@ class _Op:
     ) -> None:
         rt = self.rt
         waited = time.monotonic() - self.start
-        rt.post({
-            "kind": ctl.EV_TIMEOUT,
-            "reporter": rt.rank,
-            "op": self.name,
-            "seq": self.seq,
-            "waited": waited,
-            "culprits": culprits,
-        })
+        rt.post(
+            {
+                "kind": ctl.EV_TIMEOUT,
+                "reporter": rt.rank,
+                "op": self.name,
+                "seq": self.seq,
+                "waited": waited,
+                "culprits": culprits,
+            }
+        )
         objs = [ctl.to_culprit(c) for c in culprits]
         head = f"{self.name}#{self.seq} on rank {rt.rank} (generation {rt.generation}) {reason}"
         if objs:
@@ -319,7 +325,9 @@ def _format_table(rows: dict[int, dict[str, str]], missing: Sequence[int]) -> st
     body = [[str(r)] + [rows[r].get(c, "") for c in cols] for r in sorted(rows)]
     body += [[str(r)] + ["(no answer)"] + [""] * (len(cols) - 1) for r in missing]
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
-    lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in [header, *body]]
+    lines = [
+        "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in [header, *body]
+    ]
     return "\n".join("    " + line.rstrip() for line in lines)
 
 
@@ -542,8 +550,10 @@ def broadcast_object(
     def body() -> Any:
         size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
         o.wait(dist.broadcast(size, src, group=o.group, async_op=True))
-        buf = payload if payload is not None else torch.empty(
-            int(size.item()), dtype=torch.uint8, device=device
+        buf = (
+            payload
+            if payload is not None
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         )
         o.wait(dist.broadcast(buf, src, group=o.group, async_op=True))
         return obj if is_src else _from_bytes(buf)
@@ -558,4 +568,9 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 
 
 def _from_bytes(t: torch.Tensor) -> Any:
-    return pickle.loads(t.cpu().numpy().tobytes())  # noqa: S301 - peers of one job
+    t = t.cpu().contiguous()
+    try:
+        raw = t.numpy().tobytes()
+    except RuntimeError:  # numpy is not installed: slower, same bytes
+        raw = bytes(t.tolist())
+    return pickle.loads(raw)  # noqa: S301 - the peers of one job

@@ -128,7 +128,9 @@ class ResilienceConfig(_Model):
         return self.op_budget if self.op_budget is not None else self.op_timeout
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ResilienceConfig:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> ResilienceConfig:
         """Build a config from ``RESILIENT_DDP_*`` environment variables.
 
         Each field ``name`` is read from ``RESILIENT_DDP_<NAME>``; retry fields from

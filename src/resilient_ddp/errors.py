@@ -258,9 +258,7 @@ class PreflightError(ResilientDDPError):
     ) -> None:
         super().__init__(message)
         self.problems: tuple[str, ...] = tuple(problems)
-        self.table: dict[int, dict[str, str]] = {
-            int(r): dict(v) for r, v in (table or {}).items()
-        }
+        self.table: dict[int, dict[str, str]] = {int(r): dict(v) for r, v in (table or {}).items()}
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_preflight, (str(self), self.problems, self.table))

@@ -68,8 +68,9 @@ def spawn(
         SpawnError: A process raised, exited non-zero, was killed or overran ``timeout``;
             ``outcomes`` holds each rank's exit code, return value and traceback.
     """
-    outcomes = launch(fn, nprocs, args, timeout=timeout, grace=grace,
-                      start_method=start_method, env=env)
+    outcomes = launch(
+        fn, nprocs, args, timeout=timeout, grace=grace, start_method=start_method, env=env
+    )
     failed = [o for o in outcomes if not o.ok]
     if failed:
         lines = [_describe_outcome(o) for o in failed]
@@ -84,7 +85,7 @@ def _describe_outcome(o: RankOutcome) -> str:
     if o.exc_type is not None:
         return f"  rank {o.rank}: raised {o.exc_type}: {o.exc_message}"
     if o.exitcode is None:
-        return f"  rank {o.rank}: killed by the launcher at the deadline"
+        return f"  rank {o.rank}: still running at the deadline or after the grace period; killed"
     if o.exitcode < 0:
         return f"  rank {o.rank}: killed by {_signal_name(-o.exitcode)}"
     return f"  rank {o.rank}: exited with code {o.exitcode}"
@@ -108,93 +109,120 @@ def launch(
     env: Mapping[str, str] | None = None,
 ) -> list[RankOutcome]:
     """Like :func:`spawn`, but return every rank's :class:`RankOutcome` instead of raising."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    control_root = ctl.root_prefix(store)
-    ctx = mp.get_context(start_method)
-    procs: list[Any] = []
-    conns: list[Any] = []
-    base_env = {
-        "WORLD_SIZE": str(nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "RESILIENT_DDP_STORE": f"127.0.0.1:{store.port}",
-        # Make env:// connect to our store as a client, as it does under torchrun.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        **(env or {}),
-    }
-    for rank in range(nprocs):
-        recv, send = ctx.Pipe(duplex=False)
-        child_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-        p = ctx.Process(
-            target=_child_main,
-            args=(fn, rank, tuple(args), child_env, send),
-            name=f"resilient_ddp-rank{rank}",
-        )
-        p.start()
-        send.close()
-        procs.append(p)
-        conns.append(recv)
-    results: dict[int, tuple[str, Any]] = {}
-    start = time.monotonic()
-    deadline = start + timeout.total_seconds() if timeout is not None else float("inf")
-    kill_at = float("inf")
-    reported: set[int] = set()
-    events_seen = 0
-    next_event_poll = 0.0
+    job = _Job(fn, nprocs, tuple(args), start_method, env or {})
     try:
-        while any(p.is_alive() for p in procs) or any(not c.closed for c in conns):
+        job.supervise(timeout, grace)
+    finally:
+        job.reap()
+    return job.outcomes()
+
+
+class _Job:
+    """The processes of one :func:`launch`, the store they share, and what they sent back."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        nprocs: int,
+        args: tuple[Any, ...],
+        start_method: str,
+        env: Mapping[str, str],
+    ) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.control_root = ctl.root_prefix(self.store)
+        ctx: Any = mp.get_context(start_method)
+        base_env = {
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.store.port),
+            "RESILIENT_DDP_STORE": f"127.0.0.1:{self.store.port}",
+            # Make env:// connect to our store as a client, as it does under torchrun.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            **env,
+        }
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        for rank in range(nprocs):
+            recv, send = ctx.Pipe(duplex=False)
+            child_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
+            p = ctx.Process(
+                target=_child_main,
+                args=(fn, rank, args, child_env, send),
+                name=f"resilient_ddp-rank{rank}",
+            )
+            p.start()
+            send.close()
+            self.procs.append(p)
+            self.conns.append(recv)
+        self.results: dict[int, tuple[str, Any]] = {}
+        self.killed: set[int] = set()
+
+    def supervise(self, timeout: timedelta | None, grace: timedelta) -> None:
+        """Collect results until every process ended, the deadline, or the grace period
+        after the first failure; report deaths to the survivors through the store."""
+        now = time.monotonic()
+        deadline = now + timeout.total_seconds() if timeout is not None else float("inf")
+        kill_at = float("inf")
+        exited: set[int] = set()
+        events_seen, next_event_poll = 0, 0.0
+        while any(p.is_alive() for p in self.procs) or self._open_conns():
             ready = mpc.wait(
-                [c for c in conns if not c.closed] + [p.sentinel for p in procs if p.is_alive()],
+                self._open_conns() + [p.sentinel for p in self.procs if p.is_alive()],
                 timeout=0.05,
             )
-            for c in conns:
+            for rank, c in enumerate(self.conns):
                 if c in ready and not c.closed:
-                    _drain(c, conns.index(c), results)
+                    _drain(c, rank, self.results)
             now = time.monotonic()
-            for rank, p in enumerate(procs):
-                if p.exitcode is None or rank in reported:
+            for rank, p in enumerate(self.procs):
+                if p.exitcode is None or rank in exited:
                     continue
-                reported.add(rank)
-                if p.exitcode != 0 or results.get(rank, ("",))[0] == "error":
+                exited.add(rank)
+                raised = self.results.get(rank, ("",))[0] == "error"
+                if p.exitcode != 0 or raised:
                     kill_at = min(kill_at, now + grace.total_seconds())
-                    if p.exitcode != 0 and results.get(rank, ("",))[0] != "error":
-                        _report_death(control_root, rank, p.exitcode)
+                if p.exitcode != 0 and not raised:
+                    _report_death(self.control_root, rank, p.exitcode)
             if now >= next_event_poll and kill_at == float("inf"):
                 # A failure reported by the ranks themselves (a timeout naming a stopped
                 # rank, say) also starts the grace period: such a rank may never exit.
                 next_event_poll = now + 0.25
-                events_seen, failed = _failure_reported(control_root, events_seen)
+                events_seen, failed = _failure_reported(self.control_root, events_seen)
                 if failed:
                     kill_at = now + grace.total_seconds()
             if now >= min(deadline, kill_at):
-                break
-    finally:
-        for p in procs:
+                return
+
+    def _open_conns(self) -> list[Any]:
+        return [c for c in self.conns if not c.closed]
+
+    def reap(self) -> None:
+        """Kill what still runs, wait for every process and read what is left in the pipes."""
+        for rank, p in enumerate(self.procs):
             if p.is_alive():
+                self.killed.add(rank)
                 p.kill()
-        for p in procs:
+        for p in self.procs:
             p.join(5)
-        for rank, c in enumerate(conns):
+        for rank, c in enumerate(self.conns):
+            while not c.closed and c.poll(0):
+                _drain(c, rank, self.results)
             if not c.closed:
-                while c.poll(0):
-                    _drain(c, rank, results)
-                    if c.closed:
-                        break
-                if not c.closed:
-                    c.close()
-    outcomes = []
-    for rank, p in enumerate(procs):
-        kind, payload = results.get(rank, ("none", None))
-        killed = p.exitcode == -signal.SIGKILL and now >= min(deadline, kill_at)
-        exitcode = None if killed else p.exitcode
-        if kind == "error":
-            exc_type, exc_message, tb, exc = payload
-            outcomes.append(RankOutcome(rank, exitcode, None, exc_type, exc_message, tb, exc))
-        else:
-            outcomes.append(RankOutcome(rank, exitcode, payload if kind == "value" else None))
-    return outcomes
+                c.close()
+
+    def outcomes(self) -> list[RankOutcome]:
+        out = []
+        for rank, p in enumerate(self.procs):
+            kind, payload = self.results.get(rank, ("none", None))
+            exitcode = None if rank in self.killed else p.exitcode
+            if kind == "error":
+                exc_type, exc_message, tb, exc = payload
+                out.append(RankOutcome(rank, exitcode, None, exc_type, exc_message, tb, exc))
+            else:
+                out.append(RankOutcome(rank, exitcode, payload if kind == "value" else None))
+        return out
 
 
 def _drain(conn: Any, rank: int, results: dict[int, tuple[str, Any]]) -> None:
@@ -203,7 +231,10 @@ def _drain(conn: Any, rank: int, results: dict[int, tuple[str, Any]]) -> None:
     except (EOFError, OSError):
         conn.close()
     except Exception as e:  # noqa: BLE001 - an unpicklable result must not kill the launcher
-        results[rank] = ("error", (type(e).__name__, f"result could not be received: {e}", "", None))
+        results[rank] = (
+            "error",
+            (type(e).__name__, f"result could not be received: {e}", "", None),
+        )
 
 
 def _failure_reported(control_root: dist.Store, seen: int) -> tuple[int, bool]:
@@ -237,14 +268,16 @@ def _report_death(control_root: dist.Store, rank: int, exitcode: int) -> None:
         if state.get("status") == "left":
             return
         info = control.read_infos([rank])[rank] if control.store.check([f"info/{rank}"]) else None
-        control.post_event({
-            "kind": ctl.EV_CRASH,
-            "rank": rank,
-            "reporter": -1,
-            "gen": gen,
-            "t": time.time(),
-            "culprit": ctl.culprit_from(rank, what=what, info=info, state=state),
-        })
+        control.post_event(
+            {
+                "kind": ctl.EV_CRASH,
+                "rank": rank,
+                "reporter": -1,
+                "gen": gen,
+                "t": time.time(),
+                "culprit": ctl.culprit_from(rank, what=what, info=info, state=state),
+            }
+        )
     except Exception:  # noqa: BLE001 - reporting is best effort; peers also detect deaths
         pass
 
@@ -286,20 +319,15 @@ def _finish(code: int) -> None:
     from . import _runtime
     from .process_group import destroy_process_group
 
-    rt = _runtime.current()
-    stuck = rt is not None and bool(rt.stuck)
     try:
-        if rt is not None:
+        if _runtime.current() is not None:
             destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if stuck or code != 0:
-        # A failed op may still be pending in gloo's threads; interpreter shutdown would wait
-        # for it (FINDINGS). Everything worth keeping has been sent.
-        os._exit(code)
-    sys.exit(code)
+    # Everything worth keeping has been sent. Skip the interpreter's teardown: after a
+    # failure, gloo objects destructed there can block on a stopped peer or abort the
+    # process on a dead one (FINDINGS).
+    _runtime.hard_exit(code)
 
 
 def _qualname(cls: type) -> str:

@@ -69,7 +69,7 @@ class Watchdog(threading.Thread):
                 log.error("rank %d: %s", self.rt.rank, e)
                 self.rt.on_control_plane_lost(e)
                 self._abort_backend()
-        except Exception:  # noqa: BLE001 - a dying watchdog must say why, once
+        except Exception:
             log.exception("rank %d: resilient_ddp watchdog crashed", self.rt.rank)
 
     # -- one tick ----------------------------------------------------------------------------
@@ -135,14 +135,16 @@ class Watchdog(threading.Thread):
             return  # someone else reported it first
         culprit = ctl.culprit_from(r, what=what, info=self.rt.infos.get(r), state=state)
         log.warning("rank %d: rank %d %s", self.rt.rank, r, what)
-        self.control.post_event({
-            "kind": kind,
-            "rank": r,
-            "reporter": self.rt.rank,
-            "gen": self.rt.generation,
-            "t": time.time(),
-            "culprit": culprit,
-        })
+        self.control.post_event(
+            {
+                "kind": kind,
+                "rank": r,
+                "reporter": self.rt.rank,
+                "gen": self.rt.generation,
+                "t": time.time(),
+                "culprit": culprit,
+            }
+        )
         self.poke()
 
     # -- on failure --------------------------------------------------------------------------

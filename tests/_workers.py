@@ -1,0 +1,251 @@
+"""Functions run inside the ranks spawned by the tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import resilient_ddp as rd
+from resilient_ddp.testing import kill_self, stop_self
+
+# Every child dumps its stacks if it is still running after this long: a hang in a test
+# leaves evidence instead of silence.
+CHILD_DUMP_AFTER_S = 50
+
+OPS = ["all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object"]
+
+
+def expected(op: str, world: int) -> Any:
+    """What a healthy ``run_op(op, rank)`` returns, computed independently of the library."""
+    if op == "all_reduce":
+        return [float(sum(r + 1 for r in range(world)))] * 3
+    if op == "broadcast":
+        return [1.0, 1.0, 1.0]
+    if op == "barrier":
+        return None
+    if op == "all_gather":
+        return [[float(r)] * (r + 1) for r in range(world)]
+    if op == "all_gather_object":
+        return [{"rank": r, "tag": "x" * r} for r in range(world)]
+    if op == "broadcast_object":
+        return {"from": 0, "payload": [1, 2, 3]}
+    raise ValueError(op)
+
+
+def run_op(op: str, rank: int, **kw: Any) -> Any:
+    if op == "all_reduce":
+        return rd.all_reduce(torch.full((3,), float(rank + 1)), **kw).tolist()
+    if op == "broadcast":
+        return rd.broadcast(torch.full((3,), float(rank + 1)), src=0, **kw).tolist()
+    if op == "barrier":
+        return rd.barrier(**kw)
+    if op == "all_gather":
+        return [t.tolist() for t in rd.all_gather(torch.full((rank + 1,), float(rank)), **kw)]
+    if op == "all_gather_object":
+        return rd.all_gather_object({"rank": rank, "tag": "x" * rank}, **kw)
+    if op == "broadcast_object":
+        obj = {"from": 0, "payload": [1, 2, 3]} if rank == 0 else None
+        return rd.broadcast_object(obj, src=0, **kw)
+    raise ValueError(op)
+
+
+def error_summary(e: BaseException, t0: float) -> dict[str, Any]:
+    return {
+        "type": type(e).__name__,
+        "mro": [c.__name__ for c in type(e).__mro__],
+        "ranks": list(getattr(e, "ranks", ())),
+        "hosts": list(getattr(e, "hosts", ())),
+        "op": getattr(e, "op", None),
+        "seq": getattr(e, "seq", None),
+        "exc_type": getattr(e, "exc_type", None),
+        "exc_message": getattr(e, "exc_message", None),
+        "stacks": [c.stack for c in getattr(e, "culprits", ())],
+        "table": getattr(e, "table", None),
+        "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None,
+        "elapsed": time.monotonic() - t0,
+        "message": str(e),
+    }
+
+
+def _init(cfg_kwargs: dict[str, Any]) -> None:
+    faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg_kwargs))
+
+
+def healthy(rank: int, world: int) -> dict[str, Any]:
+    """Every collective once, with uneven shapes and objects."""
+    _init({})
+    out = {op: run_op(op, rank) for op in OPS}
+    rd.destroy_process_group()
+    return out
+
+
+def slow_data_loader(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def fault(rank: int, op: str, kind: str, culprit: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """Run ``op`` once healthy, then inject ``kind`` on ``culprit`` and run it again."""
+    _init(cfg_kwargs)
+    assert run_op(op, rank) == expected(op, dist.get_world_size())
+    if rank == culprit:
+        if kind == "kill":
+            kill_self()
+        elif kind == "raise":
+            raise ValueError("injected failure on the culprit")
+        elif kind == "sleep":
+            with rd.phase("data"):
+                slow_data_loader(cfg_kwargs["op_timeout"] + 4)
+        elif kind == "sigstop":
+            stop_self()
+    t0 = time.monotonic()
+    try:
+        run_op(op, rank)
+        # A rank whose part of the op did not need the culprit (a broadcast receiver, say)
+        # completes it legitimately; it must learn of the failure at its next op.
+        rd.barrier()
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def diverge(rank: int, kind: str, validate: bool, cfg_kwargs: dict[str, Any]) -> Any:
+    """Rank 1 issues something other than the rest at the second op."""
+    _init({**cfg_kwargs, "validate": validate})
+    run_op("all_reduce", rank)
+    t0 = time.monotonic()
+    try:
+        t = torch.ones(4)
+        if rank == 1 and kind == "shape":
+            t = torch.ones(5)
+        if rank == 1 and kind == "dtype":
+            t = torch.ones(4, dtype=torch.float64)
+        if rank == 1 and kind == "op":
+            rd.broadcast(t, src=0)
+        elif rank == 1 and kind == "skip":
+            rd.all_reduce(torch.ones(2))  # skipped the [4] all_reduce, went on to the next
+        else:
+            rd.all_reduce(t)
+            if kind == "skip":
+                rd.all_reduce(torch.ones(2))
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def uneven_batches(rank: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """Rank 1 runs one batch fewer than the others, then leaves (the classic hang)."""
+    _init(cfg_kwargs)
+    batches = 3 if rank == 1 else 4
+    t0 = time.monotonic()
+    try:
+        for _ in range(batches):
+            t0 = time.monotonic()
+            rd.all_reduce(torch.ones(2))
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def late_rank(rank: int, delay: float, cfg_kwargs: dict[str, Any]) -> Any:
+    """Rank 2 arrives ``delay`` seconds late, past one op timeout but within the budget."""
+    _init(cfg_kwargs)
+    t = torch.full((3,), float(rank + 1))
+    if rank == 2:
+        time.sleep(delay)
+    rd.all_reduce(t)
+    after = rd.all_reduce(torch.ones(1)).item()  # the group still pairs ops correctly
+    rd.destroy_process_group()
+    return {"value": t.tolist(), "after": after}
+
+
+class _NeverCompletes:
+    """A backend work handle that never completes: a data plane that lost this rank's op."""
+
+    def __init__(self) -> None:
+        self._fut: torch.futures.Future[Any] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+
+def lost_op(rank: int, attempts: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """Rank 1's first all_reduce is lost in the data plane while every rank is alive."""
+    _init(cfg_kwargs)
+    real = dist.all_reduce
+    if rank == 1:
+        calls = {"n": 0}
+
+        def flaky(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                return _NeverCompletes()
+            return real(*args, **kwargs)
+
+        dist.all_reduce = flaky  # type: ignore[assignment]
+    t = torch.full((3,), float(rank + 1))
+    t0 = time.monotonic()
+    try:
+        rd.all_reduce(t, retry=attempts)
+        after = rd.all_reduce(torch.ones(1)).item()
+        rt = rd._runtime.current()
+        gen = rt.generation if rt is not None else -1
+        return {"value": t.tolist(), "after": after, "generation": gen}
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        dist.all_reduce = real
+        rd.destroy_process_group()
+
+
+def plain_torch_init(rank: int, kind: str) -> Any:
+    """The user initialised torch.distributed themselves; rd ops attach on first use."""
+    faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rd.set_config(rd.ResilienceConfig(op_timeout=5, heartbeat_interval=0.2, heartbeat_timeout=3))
+    value = rd.all_reduce(torch.ones(2)).tolist()
+    if rank == 2 and kind == "kill":
+        kill_self()
+    t0 = time.monotonic()
+    try:
+        rd.all_reduce(torch.ones(2))
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.set_config(None)
+        rd.destroy_process_group()
+    return {"value": value}
+
+
+def torchrun_main() -> None:
+    """Entry point of the script run under real torchrun (see test_torchrun)."""
+    import json
+    import sys
+
+    out_dir = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    _init({"op_timeout": 2, "heartbeat_interval": 0.2, "heartbeat_timeout": 4})
+    result: Any = {"value": run_op("all_reduce", rank)}
+    if rank == 2:
+        with rd.phase("data"):
+            slow_data_loader(30)
+    t0 = time.monotonic()
+    try:
+        run_op("all_reduce", rank)
+    except rd.ResilientDDPError as e:
+        result["error"] = error_summary(e, t0)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    rd.destroy_process_group()
