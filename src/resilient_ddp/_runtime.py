@@ -385,28 +385,11 @@ class Runtime:
                 break
             time.sleep(0.05)
             states = control.read_states(others)
-        now = time.time()
         culprits: list[dict[str, Any]] = []
         for r in others:
             s = states.get(r, {})
             info = self.infos.get(r, {})
-            answered = s.get("diag", 0) >= request
-            what = ""
-            if s.get("status") == "left":
-                what = "left the group"
-            elif s.get("status") == "failed":
-                what = "failed"
-            elif not answered:
-                what = f"is not responding (last heartbeat {now - s.get('t', now):.1f} s ago)"
-                if self.is_local(r) and ctl.process_state(int(info.get("pid", 0))) == "T":
-                    what = "is stopped (SIGSTOP or a debugger) and not responding"
-            elif s.get("seq", -1) < seq or (s.get("seq") == seq and not s.get("in_op")):
-                doing = f"in {s['op']}#{s['seq']}" if s.get("in_op") else "outside any collective"
-                what = f"never arrived at {name}#{seq}: it is {doing}"
-            elif s.get("seq", -1) > seq:
-                what = f"is ahead: already in {s.get('op')}#{s.get('seq')}"
-            elif s.get("op") != name:
-                what = f"issued a different collective: {s.get('op')}#{seq}"
+            what = self._what_blocks(r, s, s.get("diag", 0) >= request, name, seq)
             if what:
                 culprits.append(
                     ctl.culprit_from(r, what=what, info=info, state=s, stack=s.get("stack"))
@@ -420,6 +403,29 @@ class Runtime:
             if named:
                 return named
         return culprits
+
+    def _what_blocks(  # noqa: PLR0911 - one return per verdict
+        self, r: int, s: dict[str, Any], answered: bool, name: str, seq: int
+    ) -> str:
+        """Why rank ``r`` (last state ``s``) keeps op ``seq`` from completing, or ``""``."""
+        if s.get("status") == "left":
+            return "left the group"
+        if s.get("status") == "failed":
+            return "failed"
+        if not answered:
+            pid = int(self.infos.get(r, {}).get("pid", 0))
+            if self.is_local(r) and ctl.process_state(pid) == "T":
+                return "is stopped (SIGSTOP or a debugger) and not responding"
+            return f"is not responding (last heartbeat {time.time() - s.get('t', 0):.1f} s ago)"
+        their_seq = s.get("seq", -1)
+        if their_seq < seq or (their_seq == seq and not s.get("in_op")):
+            doing = f"in {s['op']}#{their_seq}" if s.get("in_op") else "outside any collective"
+            return f"never arrived at {name}#{seq}: it is {doing}"
+        if their_seq > seq:
+            return f"is ahead: already in {s.get('op')}#{their_seq}"
+        if s.get("op") != name:
+            return f"issued a different collective: {s.get('op')}#{seq}"
+        return ""
 
     def is_local(self, rank: int) -> bool:
         info = self.infos.get(rank)
