@@ -15,6 +15,7 @@ from .collectives import (
     broadcast_object,
 )
 from .config import ResilienceConfig, RetryPolicy, get_config, set_config
+from .ddp import ResilientDDP
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -43,6 +44,7 @@ __all__ = [
     "RankFailureError",
     "RankOutcome",
     "ResilienceConfig",
+    "ResilientDDP",
     "ResilientDDPError",
     "RetryBudgetExhaustedError",
     "RetryPolicy",

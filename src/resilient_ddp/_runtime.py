@@ -85,7 +85,11 @@ class PendingOp:
 
     def attach(self, work: Any) -> None:
         """Complete this op when the backend ``work`` completes."""
-        work.get_future().add_done_callback(self._on_backend_done)
+        self.attach_future(work.get_future())
+
+    def attach_future(self, fut: torch.futures.Future[Any]) -> None:
+        """Complete this op when ``fut`` (e.g. a user comm hook's future) completes."""
+        fut.add_done_callback(self._on_backend_done)
 
     def _on_backend_done(self, fut: torch.futures.Future[Any]) -> None:
         value: Any = None
@@ -94,6 +98,10 @@ class PendingOp:
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             self.backend_error = e
         self.done = True
+        if self.backend_error is not None and self.future is not None:
+            # The waiting thread explains it with a typed error; this only keeps a consumer
+            # that never reaches that thread (DDP's own finalize) from waiting forever.
+            self.fail_future(self.backend_error)
         self.event.set()
         ok = self.future is not None and self.backend_error is None
         if ok and self.settled.acquire(blocking=False):
@@ -141,6 +149,7 @@ class Runtime:
         self.phase = ""
         self.section = ""
         self.status = "running"
+        self.compute_s = 0.0  # median local compute time of recent steps (ResilientDDP)
         self.thread_errors: list[str] = []
         # Failure state.
         self.lock = threading.Lock()
@@ -193,6 +202,7 @@ class Runtime:
             "phase": self.phase,
             "section": self.section,
             "status": self.status,
+            "compute_s": self.compute_s,
             "t": time.time(),
         }
 

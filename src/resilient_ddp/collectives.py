@@ -159,11 +159,18 @@ class _Op:
             CollectiveTimeoutError: The budget ran out; names the ranks that never arrived.
             _TransientError: Every rank arrived and is alive, yet the op cannot complete.
         """
-        rt = self.rt
         p = PendingOp(self.name, self.seq)
-        rt.register(p)
+        self.rt.register(p)
+        p.attach(work)
+        self.wait_pending(p, work)
+
+    def wait_pending(self, p: PendingOp, work: Any) -> None:
+        """Wait for the registered op ``p`` (backed by ``work``); see :meth:`wait`.
+
+        Unregisters ``p`` when done; a failed ``work`` is kept alive for good.
+        """
+        rt = self.rt
         try:
-            p.attach(work)
             slice_end = time.monotonic() + self.attempt_s
             while True:
                 now = time.monotonic()

@@ -172,11 +172,11 @@ def _join_control_plane(rt: Runtime) -> None:
     rt.watchdog.start()
 
 
-def ensure_runtime() -> Runtime:
+def ensure_runtime(config: ResilienceConfig | None = None) -> Runtime:
     """The current runtime, attaching to torch's default group on first use."""
     rt = _runtime.current()
     if rt is None:
-        rt = attach()
+        rt = attach(config)
     return rt
 
 

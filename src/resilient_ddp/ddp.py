@@ -1,0 +1,390 @@
+"""ResilientDDP: DistributedDataParallel whose gradient reduction cannot hang silently.
+
+It is a subclass of :class:`torch.nn.parallel.DistributedDataParallel`: construction
+arguments, ``.module``, ``no_sync()``, ``join()``, ``state_dict()`` and checkpoints behave as
+DDP's. What it adds:
+
+* every gradient bucket is reduced through a library-owned future, completed by the backend
+  or failed by the watchdog; a hook on the model's outputs queues an autograd final
+  callback ahead of DDP's own, which waits on those futures within the op budget and
+  raises our typed error from ``loss.backward()`` (DDP's reducer would turn it into
+  ``RuntimeError: Unable to cast ...``);
+* the forward-pass buffer broadcast goes through the bounded :func:`broadcast`;
+* construction checks, within the op budget, that parameters and the environment agree
+  across ranks, and raises :class:`PreflightError` with a per-rank table otherwise;
+* step and phase (forward / backward / optimizer / data) are tracked for the heartbeat, so
+  a peer's error says what the culprit was doing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_flatten
+
+from . import _runtime
+from ._runtime import PendingOp, Runtime
+from .collectives import _Op, all_gather_object, broadcast
+from .config import ResilienceConfig
+from .errors import ConfigError, PreflightError, ResilientDDPError
+from .process_group import ensure_runtime
+
+__all__ = ["ResilientDDP"]
+
+log = logging.getLogger("resilient_ddp")
+
+_optimizer_hooks_installed = False
+
+
+class ResilientDDP(DistributedDataParallel):
+    """A drop-in :class:`~torch.nn.parallel.DistributedDataParallel` with bounded, typed
+    failure handling.
+
+    Construct it exactly like DDP (same positional and keyword arguments); the training loop
+    does not change. When a peer crashes, raises, hangs or stops, ``loss.backward()`` (or
+    the next collective) raises :class:`RankFailureError` on every other rank within the
+    core bounds, naming the culprit, its step and phase.
+
+    Args:
+        module: The module to replicate.
+        *args: DDP's positional arguments (``device_ids``, ``output_device``, ...).
+        resilience: Budgets and policies; default: the config of the current runtime (or
+            the process-wide config when this call attaches to torch's group).
+        **kwargs: DDP's keyword arguments (``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``broadcast_buffers``, ``bucket_cap_mb``, ...).
+
+    Blocks while ranks compare parameters and environment (at most ``op_timeout``) and while
+    DDP broadcasts rank 0's parameters.
+
+    Raises:
+        PreflightError: Parameter names, shapes or dtypes, the backend, the torch/CUDA/NCCL
+            versions differ across ranks, or two ranks of one host use the same GPU.
+        RankFailureError: A rank failed during construction.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *args: Any,
+        resilience: ResilienceConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        rt = ensure_runtime(resilience)
+        self._rd_config = resilience if resilience is not None else rt.config
+        group = kwargs.get("process_group")
+        _check_agreement(rt, module, args, kwargs, group)
+        # Buffers are broadcast in forward by our bounded broadcast (see
+        # _default_broadcast_coalesced), so DDP keeps its own switch.
+        super().__init__(module, *args, **kwargs)
+        self._rd_inner_hook: Callable[..., Any] | None = None
+        self._rd_inner_state: Any = None
+        self._rd_pass: list[tuple[_Op, PendingOp, Any]] = []
+        self._rd_pass_error: BaseException | None = None
+        self._rd_callback_queued = False
+        self._rd_compute_start = 0.0
+        self.compute_times: list[float] = []
+        me = weakref.ref(self)
+        DistributedDataParallel.register_comm_hook(self, me, _resilient_hook)
+        _install_optimizer_hooks()
+
+    # -- comm hooks --------------------------------------------------------------------------
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Register a DDP communication hook; it composes with the library's own.
+
+        Your ``hook(state, bucket)`` still returns a future; ResilientDDP bounds the wait on
+        it and fails it when a peer fails. Call at most once, before the first backward.
+
+        Raises:
+            ConfigError: A hook was already registered.
+        """
+        if self._rd_inner_hook is not None:
+            raise ConfigError(
+                "register_comm_hook can be called only once on a ResilientDDP model "
+                "(as on DistributedDataParallel)."
+            )
+        if not callable(hook):
+            raise ConfigError(f"hook should be callable, but given {hook!r}")
+        self._rd_inner_hook = hook
+        self._rd_inner_state = state
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        raise ConfigError(
+            "Built-in C++ comm hooks bypass ResilientDDP's bounded reduction. HINT: register "
+            "the Python equivalent with register_comm_hook (e.g. "
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)."
+        )
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        rt = _runtime.current()
+        if rt is not None:
+            # A known failure makes the step fail now, not in its first collective.
+            rt.raise_if_failed("forward", rt.seq + 1)
+            rt.phase = "forward"
+            self._rd_compute_start = time.monotonic()
+        output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+        if torch.is_grad_enabled():
+            self._rd_callback_queued = False
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._rd_on_backward_start)  # type: ignore[no-untyped-call]
+        return output
+
+    def _rd_on_backward_start(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._rd_callback_queued:
+            self._rd_callback_queued = True
+            rt = _runtime.current()
+            if rt is not None:
+                rt.phase = "backward"
+            torch.autograd.Variable._execution_engine.queue_callback(self._rd_finish_backward)
+        return grad
+
+    def _rd_finish_backward(self) -> None:
+        """Autograd final callback, queued ahead of DDP's: wait (bounded) for every bucket
+        reduced in this backward pass and raise our typed error if one failed."""
+        ops, self._rd_pass = self._rd_pass, []
+        error, self._rd_pass_error = self._rd_pass_error, None
+        rt = _runtime.current()
+        if rt is not None:
+            self.compute_times = self.compute_times[-19:] + [
+                time.monotonic() - self._rd_compute_start
+            ]
+            rt.compute_s = sorted(self.compute_times)[len(self.compute_times) // 2]
+        try:
+            if error is not None:
+                raise error
+            for op, p, keep in ops:
+                op.wait_pending(p, keep)
+        finally:
+            if rt is not None:
+                rt.end_op()
+                rt.phase = "after_backward"
+        if ops and rt is not None:
+            rt.step += 1
+
+    # -- buffers -----------------------------------------------------------------------------
+    def _default_broadcast_coalesced(
+        self,
+        bufs: list[torch.Tensor] | None = None,
+        bucket_size: int | None = None,
+        authoritative_rank: int = 0,
+    ) -> None:
+        """DDP's buffer broadcast, through the bounded :func:`broadcast` (one op per dtype)."""
+        tensors = list(self.modules_buffers) if bufs is None else list(bufs)
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        group = self.process_group if self.process_group is not dist.group.WORLD else None
+        for same in by_dtype.values():
+            flat = _flatten(same)
+            broadcast(flat, src=authoritative_rank, group=group, validate=False)
+            for t, synced in zip(same, _unflatten(flat, same), strict=True):
+                t.copy_(synced)
+
+    @property
+    def resilience(self) -> ResilienceConfig:
+        """The config this model runs under."""
+        return self._rd_config
+
+
+def _resilient_hook(
+    state: weakref.ReferenceType[ResilientDDP], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook DDP calls for each ready bucket: issue the reduction (through the
+    user's hook if any) behind a library-owned future."""
+    ddp = state()
+    assert ddp is not None
+    tensor = bucket.buffer()
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[tensor.device] if tensor.device.type == "cuda" else None
+    )
+    try:
+        group = ddp.process_group if ddp.process_group is not dist.group.WORLD else None
+        op = _Op(f"ddp_bucket{bucket.index()}", group, None, None, 1, False)
+    except ResilientDDPError as e:
+        ddp._rd_pass_error = e
+        result.set_exception(e)  # type: ignore[arg-type]  # stubs say Tensor; any exception works
+        return result
+    rt = op.rt
+    if ddp._rd_inner_hook is None:
+        # Average as DDP's reducer does without a hook: scale by 1/world, then sum.
+        tensor.mul_(1.0 / dist.get_world_size(group))
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        inner = work.get_future()
+        keep: Any = work
+
+        def pick(v: Any) -> Any:
+            return v[0]
+    else:
+        inner = ddp._rd_inner_hook(ddp._rd_inner_state, bucket)
+        keep = inner
+
+        def pick(v: Any) -> Any:
+            return v
+
+    p = PendingOp(op.name, op.seq, deadline=op.deadline, future=result, result_fn=pick)
+    rt.register(p)
+    p.attach_future(inner)
+    ddp._rd_pass.append((op, p, keep))
+    return result
+
+
+# DDP checks a hook's annotations with inspect; under `from __future__ import annotations`
+# they are strings, so give it the objects.
+_resilient_hook.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+# -- construction-time agreement ---------------------------------------------------------------
+def _param_table(module: nn.Module) -> list[tuple[str, str, str]]:
+    rows = [(n, str(tuple(p.shape)), str(p.dtype)) for n, p in module.named_parameters()]
+    rows += [(n, str(tuple(b.shape)), str(b.dtype)) for n, b in module.named_buffers()]
+    return rows
+
+
+def _device_of(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    ids = kwargs.get("device_ids", args[0] if args else None)
+    p = next(module.parameters(), None)
+    dev = str(p.device) if p is not None else "cpu"
+    if ids:
+        dev = str(torch.device("cuda", ids[0]) if isinstance(ids[0], int) else ids[0])
+    return dev
+
+
+def _environment(rt: Runtime, module: nn.Module, args: Any, kwargs: Any) -> dict[str, str]:
+    device = _device_of(module, args, kwargs)
+    gpu = ""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        idx = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(idx)
+        gpu = str(getattr(props, "uuid", idx))
+    nccl = ""
+    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+        try:
+            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+        except Exception:  # noqa: BLE001 - a missing NCCL is reported as ""
+            nccl = ""
+    return {
+        "host": rt.identity["host"],
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "nccl": nccl,
+        "python": platform.python_version(),
+        "backend": rt.backend,
+        "device": device,
+        "gpu": gpu,
+    }
+
+
+def _check_agreement(rt: Runtime, module: nn.Module, args: Any, kwargs: Any, group: Any) -> None:
+    params = _param_table(module)
+    digest = hashlib.blake2b(repr(params).encode(), digest_size=8).hexdigest()
+    mine = {"env": _environment(rt, module, args, kwargs), "digest": digest, "params": params}
+    rows = all_gather_object(mine, group=group, validate=False)
+    problems: list[str] = []
+    table: dict[int, dict[str, str]] = {}
+    for r, row in enumerate(rows):
+        table[r] = {**row["env"], "params": f"{len(row['params'])} tensors #{row['digest']}"}
+    for key in ("torch", "cuda", "nccl", "python", "backend"):
+        values = {r: row["env"][key] for r, row in enumerate(rows)}
+        if len(set(values.values())) > 1:
+            problems.append(
+                f"{key} differs: " + ", ".join(f"rank {r}: {v}" for r, v in values.items())
+            )
+    users: dict[tuple[str, str], int] = {}
+    for r, row in enumerate(rows):
+        env = row["env"]
+        if env["device"].startswith("cuda"):
+            gpu = (env["host"], env["gpu"] or env["device"])
+            if gpu in users:
+                problems.append(
+                    f"ranks {users[gpu]} and {r} both use {env['device']} on host {env['host']}"
+                    " (set device_ids=[local_rank] and torch.cuda.set_device(local_rank))"
+                )
+            users.setdefault(gpu, r)
+    ref = rows[0]
+    for r, row in enumerate(rows[1:], start=1):
+        if row["digest"] != ref["digest"]:
+            problems.append(f"rank {r}: " + _param_diff(ref["params"], row["params"]))
+    if problems:
+        text = "\n".join(f"  - {p}" for p in problems)
+        raise PreflightError(
+            f"ResilientDDP: ranks disagree before training (rank {rt.rank} sees):\n{text}\n"
+            + _format_rows(table),
+            problems=problems,
+            table=table,
+        )
+
+
+def _param_diff(ref: list[Any], other: list[Any]) -> str:
+    a = {n: (s, d) for n, s, d in ref}
+    b = {n: (s, d) for n, s, d in other}
+    for name, (shape, dtype) in a.items():
+        if name not in b:
+            return f"has no parameter/buffer {name!r} (rank 0 has {shape} {dtype})"
+        if (shape, dtype) != b[name]:
+            return f"{name!r} is {b[name][0]} {b[name][1]}, rank 0 has {shape} {dtype}"
+    extra = [n for n in b if n not in a]
+    return f"has extra parameter/buffer(s) {extra[:3]} that rank 0 does not"
+
+
+def _format_rows(table: dict[int, dict[str, str]]) -> str:
+    cols = ["host", "device", "gpu", "backend", "torch", "cuda", "nccl", "python", "params"]
+    header = ["rank", *cols]
+    body = [[str(r)] + [table[r].get(c, "") for c in cols] for r in sorted(table)]
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+    return "\n".join(
+        "    " + "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *body]
+    )
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+# -- phases from the optimizer -----------------------------------------------------------------
+def _install_optimizer_hooks() -> None:
+    """Global optimizer hooks that mark the "optimizer" and "data" phases."""
+    global _optimizer_hooks_installed
+    if _optimizer_hooks_installed:
+        return
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        rt = _runtime.current()
+        if rt is not None:
+            rt.phase = "optimizer"
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        rt = _runtime.current()
+        if rt is not None:
+            rt.phase = "data"
+
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+    _optimizer_hooks_installed = True
