@@ -156,8 +156,9 @@ class ResilientDDP(DistributedDataParallel):
         error, self._rd_pass_error = self._rd_pass_error, None
         rt = _runtime.current()
         if rt is not None:
-            self.compute_times = self.compute_times[-19:] + [
-                time.monotonic() - self._rd_compute_start
+            self.compute_times = [
+                *self.compute_times[-19:],
+                time.monotonic() - self._rd_compute_start,
             ]
             rt.compute_s = sorted(self.compute_times)[len(self.compute_times) // 2]
         try:
