@@ -162,6 +162,7 @@ class Runtime:
         # until the backend's own timeout; so they are kept alive until the process exits.
         self.stuck: list[Any] = []
         self.mismatches = 0
+        self.raised = False  # this rank raised a failure error: its departure is a consequence
         self.watchdog: Any = None
 
     # -- healthy path ------------------------------------------------------------------------
@@ -273,11 +274,17 @@ class Runtime:
         # left because of a failure reported above is a consequence, not a cause.
         gone = [(r, ev) for r, ev in sorted(self.left.items()) if ev.get("final_seq", -1) < seq]
         for r, ev in gone:
-            if not ev.get("secondary") or not found:
+            if not ev.get("secondary"):
+                found.setdefault(r, ctl.to_culprit(ev["culprit"]))
+        if not found:
+            for r, ev in gone:
                 found.setdefault(r, ctl.to_culprit(ev["culprit"]))
         return cls, list(found.values())
 
     def build_error(self, name: str, seq: int) -> RankFailureError:
+        """The typed error explaining why op ``seq`` cannot complete (marks this rank as
+        failed by consequence, so that its later departure names no one)."""
+        self.raised = True
         if self.control_plane_error is not None and not self.failures:
             # Fatal: nothing can be coordinated any more. ControlPlaneError is no
             # RankFailureError, so wrap it to keep one type for "the group is gone".
@@ -346,7 +353,7 @@ class Runtime:
         """Tell the peers this rank leaves after its last op (clean shutdown)."""
         if self.status == "left":
             return
-        secondary = bool(self.failures) or self.status == "failed"
+        secondary = bool(self.failures) or self.raised or self.status == "failed"
         culprit = ctl.culprit_from(
             self.rank,
             what=f"left the group after op #{self.op_seq} ({self.op or 'none'})",

@@ -302,6 +302,7 @@ def _validate(op: _Op, sig: dict[str, Any]) -> None:
         return
     # Every rank saw the same MAX/MIN, so every rank takes this path: exchange the details.
     rt.mismatches += 1
+    rt.raised = True
     k = rt.mismatches
     mine = {"seq": str(op.seq), **{key: str(v) for key, v in sig.items()}}
     rt.control.publish_signature(k, rt.rank, mine)

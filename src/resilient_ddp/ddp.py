@@ -236,8 +236,19 @@ def _resilient_hook(
     p = PendingOp(op.name, op.seq, deadline=op.deadline, future=result, result_fn=pick)
     rt.register(p)
     p.attach_future(inner)
-    ddp._rd_pass.append((op, p, keep))
+    if ddp._rd_callback_queued:
+        ddp._rd_pass.append((op, p, keep))
+    else:
+        # No backward pass of ours to wait in: a joined rank shadowing the others'
+        # reductions (DDP's join), which waits on the future itself. The watchdog still
+        # fails it when a peer fails.
+        inner.add_done_callback(lambda _: _settle_shadow(rt, p))
     return result
+
+
+def _settle_shadow(rt: Runtime, p: PendingOp) -> None:
+    rt.unregister(p)
+    rt.end_op()
 
 
 # DDP checks a hook's annotations with inspect; under `from __future__ import annotations`

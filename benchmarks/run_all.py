@@ -1,0 +1,289 @@
+"""Run every ``benchmarks/bench_*.py``, then regenerate ``docs/benchmarks.md`` from the results.
+
+Usage::
+
+    python benchmarks/run_all.py                 # full runs; rewrites results/ and the docs
+    python benchmarks/run_all.py --quick         # smoke test; see below
+    python benchmarks/run_all.py --docs-only     # only regenerate the docs from results/*.json
+    python benchmarks/run_all.py --only collectives
+
+Conventions that the scripts follow:
+
+* ``benchmarks/bench_<name>.py`` accepts ``--quick`` and ``--out PATH`` and writes its
+  results as JSON to ``benchmarks/results/<name>.json``.
+* The JSON holds at least ``title``, ``command``, ``date`` and ``machine``, and may hold
+  ``targets`` (a list of ``{"target", "measured", "met"}``); this script renders those for
+  every benchmark in the same way.
+* The body of a section (its tables) comes from the function registered for ``<name>``
+  with :func:`renderer`. To add a benchmark, write ``bench_<name>.py`` and one
+  ``@renderer("<name>")`` function below; a JSON file without a renderer is listed raw.
+
+``--quick`` writes to ``benchmarks/results/quick/`` and renders the page to
+``benchmarks/results/quick/benchmarks.md``, so that a smoke test never replaces the
+recorded figures or the published page (``--results`` and ``--docs`` override both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+QUICK_RESULTS = RESULTS / "quick"
+DOCS = ROOT / "docs" / "benchmarks.md"
+SCRIPT_TIMEOUT_S = 30 * 60
+
+Renderer = Callable[[dict[str, Any]], list[str]]
+RENDERERS: dict[str, Renderer] = {}
+
+
+def renderer(name: str) -> Callable[[Renderer], Renderer]:
+    """Register the function that renders the body of ``results/<name>.json``'s section."""
+
+    def register(fn: Renderer) -> Renderer:
+        RENDERERS[name] = fn
+        return fn
+
+    return register
+
+
+# -- running ------------------------------------------------------------------------------------
+def bench_scripts(only: Sequence[str] = ()) -> list[Path]:
+    scripts = sorted(HERE.glob("bench_*.py"))
+    if only:
+        scripts = [s for s in scripts if bench_name(s) in only]
+    return scripts
+
+
+def bench_name(script: Path) -> str:
+    return script.stem.removeprefix("bench_")
+
+
+def run_benchmarks(scripts: Sequence[Path], results: Path, *, quick: bool) -> list[str]:
+    """Run each script in turn; return the names of those that failed."""
+    failed = []
+    for script in scripts:
+        name = bench_name(script)
+        cmd = [sys.executable, str(script), "--out", str(results / f"{name}.json")]
+        if quick:
+            cmd.append("--quick")
+        print(f"\n=== {script.relative_to(ROOT)}{' --quick' if quick else ''}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, check=False, timeout=SCRIPT_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+            print(f"{name}: still running after {SCRIPT_TIMEOUT_S} s; stopped", flush=True)
+        print(f"=== {name}: exit code {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    return failed
+
+
+# -- rendering ----------------------------------------------------------------------------------
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> list[str]:
+    """A Markdown table; ``align`` holds one of ``l``/``r`` per column (default: left)."""
+    marks = [("---:" if a == "r" else "---") for a in align.ljust(len(header), "l")]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    parts = []
+    if machine.get("cpu_model") or machine.get("cpu_count"):
+        parts.append(f"{machine.get('cpu_count', '?')} CPUs ({machine.get('cpu_model') or '?'})")
+    for key, label in (
+        ("platform", ""),
+        ("python", "Python "),
+        ("torch", "torch "),
+        ("resilient_ddp", "resilient_ddp "),
+        ("git", "commit "),
+    ):
+        if machine.get(key):
+            parts.append(f"{label}{machine[key]}")
+    before, after = machine.get("load_avg_before"), machine.get("load_avg_after")
+    if before and after:
+        parts.append(f"load average {before[0]:g} before, {after[0]:g} after")
+    known = {
+        "cpu_model",
+        "cpu_count",
+        "platform",
+        "python",
+        "torch",
+        "resilient_ddp",
+        "git",
+        "load_avg_before",
+        "load_avg_after",
+    }
+    parts += [f"{k}: {v}" for k, v in machine.items() if k not in known]
+    return ", ".join(parts)
+
+
+def _targets(targets: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        [t.get("target", ""), t.get("measured", ""), "met" if t.get("met") else "**missed**"]
+        for t in targets
+    ]
+    return ["Targets:", "", *md_table(["target", "measured", "status"], rows), ""]
+
+
+def render_section(name: str, data: dict[str, Any]) -> list[str]:
+    """The common frame of a section (title, command, machine, date, targets) plus its body."""
+    lines = [f"## {data.get('title', name)}", ""]
+    if data.get("quick"):
+        lines += [
+            "!!! warning",
+            "    A `--quick` run: too few samples for the figures to mean much.",
+            "",
+        ]
+    lines += [
+        f"- Command: `{data.get('command', '?')}`"
+        + (f" ({data['seconds']:g} s)" if "seconds" in data else ""),
+        f"- Date: {data.get('date', '?')}",
+        f"- Machine: {_machine_line(data.get('machine', {}))}",
+        "",
+    ]
+    lines += RENDERERS[name](data)
+    if data.get("targets"):
+        lines += _targets(data["targets"])
+    return lines
+
+
+def render_raw(filename: str, text: str) -> list[str]:
+    return [
+        f"## {filename}",
+        "",
+        "No renderer in `benchmarks/run_all.py` knows this file; its content:",
+        "",
+        "```json",
+        text.rstrip("\n"),
+        "```",
+        "",
+    ]
+
+
+def render_page(results: Path) -> str:
+    files = {p.stem: p for p in sorted(results.glob("*.json"))}
+    order = [n for n in RENDERERS if n in files] + sorted(n for n in files if n not in RENDERERS)
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by benchmarks/run_all.py from benchmarks/results/*.json; "
+        "edit those, not this page. -->",
+        "",
+        "The figures on this page were recorded by the commands given in each section. "
+        "Rerun everything and regenerate this page with `python benchmarks/run_all.py`, "
+        "or only regenerate it with `python benchmarks/run_all.py --docs-only`.",
+        "",
+    ]
+    if not order:
+        lines += ["No results yet.", ""]
+    for name in order:
+        text = files[name].read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except ValueError:
+            lines += render_raw(files[name].name, text)
+            continue
+        if name in RENDERERS and isinstance(data, dict):
+            lines += render_section(name, data)
+        else:
+            lines += render_raw(files[name].name, text)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# -- one renderer per benchmark -----------------------------------------------------------------
+def _us(x: float) -> str:
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.1f}"
+
+
+def _signed_us(x: float) -> str:
+    return ("+" if x >= 0 else "-") + _us(abs(x))
+
+
+@renderer("collectives")
+def render_collectives(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    variants = data.get("variants", {})
+    lines = [
+        f"{setup.get('world_size', '?')} ranks, {setup.get('backend', '?')} on "
+        f"{setup.get('device', '?')}, {setup.get('dtype', '?')} tensors; "
+        f"{setup.get('statistic', '')}. Times are microseconds (µs) per op.",
+        "",
+    ]
+    if variants:
+        lines += [f"- **{k.replace('_', '+')}**: `{v}`" for k, v in variants.items()]
+        lines.append("")
+    rows = [
+        [
+            r["size"],
+            _us(r["median_us"]["raw"]),
+            _us(r["median_us"]["rd"]),
+            _us(r["median_us"]["rd_validate"]),
+            f"{r['ratio']['rd']:.2f}",
+            f"{r['ratio']['rd_validate']:.2f}",
+            _signed_us(r["added_us"]["rd"]),
+            _signed_us(r["added_us"]["rd_validate"]),
+            str(r["ops_per_variant"]),
+        ]
+        for r in data.get("rows", [])
+    ]
+    header = [
+        "size",
+        "raw",
+        "rd",
+        "rd+validate",
+        "rd / raw",
+        "rd+validate / raw",
+        "rd - raw",
+        "rd+validate - raw",
+        "ops timed",
+    ]
+    lines += md_table(header, rows, align="lrrrrrrrr")
+    lines.append("")
+    return lines
+
+
+# -- main ---------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs (smoke test)")
+    parser.add_argument("--docs-only", action="store_true", help="run nothing; only render")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="NAME", help="run bench_NAME.py only"
+    )
+    parser.add_argument("--results", type=Path, help="folder of the JSON results")
+    parser.add_argument("--docs", type=Path, help="the Markdown page to write")
+    args = parser.parse_args(argv)
+    results: Path = args.results or (QUICK_RESULTS if args.quick else RESULTS)
+    docs: Path = args.docs or (QUICK_RESULTS / "benchmarks.md" if args.quick else DOCS)
+
+    failed: list[str] = []
+    if not args.docs_only:
+        scripts = bench_scripts(args.only)
+        unknown = sorted(set(args.only) - {bench_name(s) for s in scripts})
+        if unknown:
+            parser.error(f"no benchmarks/bench_<name>.py for: {', '.join(unknown)}")
+        results.mkdir(parents=True, exist_ok=True)
+        failed = run_benchmarks(scripts, results, quick=args.quick)
+
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(render_page(results), encoding="utf-8")
+    print(f"\nwrote {docs}")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Training functions run inside spawned ranks by tests/test_ddp_mp.py."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import resilient_ddp as rd
+from resilient_ddp.testing import kill_self, stop_self
+
+from ._workers import error_summary, slow_data_loader
+
+FAULT_STEP = 3
+
+
+class FaultLayer(nn.Module):
+    """Identity; injects the configured fault on the culprit at FAULT_STEP, in forward or in
+    backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind = ""
+        self.where = ""
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind and self.where == "forward" and self.step == FAULT_STEP:
+            inject(self.kind, 6.0)
+        return _Backward.apply(x, self) if self.where == "backward" else x
+
+
+class _Backward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: FaultLayer) -> torch.Tensor:
+        ctx.layer = layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        layer = ctx.layer
+        if layer.kind and layer.step == FAULT_STEP:
+            inject(layer.kind, 6.0)
+        return grad, None
+
+
+def inject(kind: str, sleep_s: float) -> None:
+    if kind == "kill":
+        kill_self()
+    elif kind == "raise":
+        raise ValueError("injected failure on the culprit")
+    elif kind == "sleep":
+        slow_data_loader(sleep_s)
+    elif kind == "sigstop":
+        stop_self()
+
+
+def make_model(width: int = 16, fault: FaultLayer | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, width),
+        nn.BatchNorm1d(width),
+        fault or nn.Identity(),
+        nn.ReLU(),
+        nn.Linear(width, 1),
+    )
+
+
+def batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def _init(cfg: dict[str, Any] | None = None) -> None:
+    faulthandler.dump_traceback_later(50, exit=True)
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(**(cfg or {})))
+
+
+def _train(model: nn.Module, data: Any, accumulate: int = 1) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i, (x, y) in enumerate(data):
+        last = (i + 1) % accumulate == 0
+        ctx = model.no_sync() if not last else _null()
+        with ctx:
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+        if last:
+            opt.step()
+            opt.zero_grad()
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+def parity(rank: int, mode: str, tmp: str) -> Any:
+    """Train ResilientDDP and plain DDP on the same data; report whether they agree."""
+    _init()
+    data = batches(rank, 6)
+    extra: dict[str, Any] = {}
+    if mode == "plain":
+        m1 = rd.ResilientDDP(make_model())
+        extra = {"isinstance": isinstance(m1, DDP), "module": type(m1.module).__name__}
+        a = _train(m1, data)
+        b = _train(DDP(make_model()), data)
+    elif mode == "no_sync":
+        a = _train(rd.ResilientDDP(make_model()), data, accumulate=3)
+        b = _train(DDP(make_model()), data, accumulate=3)
+    elif mode == "join":
+        uneven = batches(rank, 3 + rank)  # rank r has 3 + r batches
+        m1, m2 = rd.ResilientDDP(make_model()), DDP(make_model())
+        with m1.join():
+            a = _train(m1, uneven)
+        with m2.join():
+            b = _train(m2, uneven)
+    elif mode == "hook":
+        m1, m2 = rd.ResilientDDP(make_model()), DDP(make_model())
+        m1.register_comm_hook(None, default_hooks.allreduce_hook)
+        m2.register_comm_hook(None, default_hooks.allreduce_hook)
+        a, b = _train(m1, data), _train(m2, data)
+    elif mode == "checkpoint":
+        # Saved from ResilientDDP, loaded into DDP (and back): same keys, same values.
+        m1 = rd.ResilientDDP(make_model())
+        a = _train(m1, data)
+        path = os.path.join(tmp, "ckpt.pt")
+        if rank == 0:
+            torch.save(m1.state_dict(), path)
+        rd.barrier()
+        m2 = DDP(make_model())
+        m2.load_state_dict(torch.load(path))
+        # Buffers (BatchNorm running stats) are per rank after the last forward; the
+        # parameters are what every rank shares.
+        a = [p.detach().clone() for p in m1.parameters()]
+        b = [p.detach().clone() for p in m2.parameters()]
+        m3 = rd.ResilientDDP(make_model())
+        m3.load_state_dict(m2.state_dict())
+        assert list(m1.state_dict()) == list(m2.state_dict()) == list(m3.state_dict())
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(m2.state_dict().values(), m3.state_dict().values(), strict=True)
+        )
+    else:
+        raise ValueError(mode)
+    same = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    # The models must really have trained (parity of untouched weights proves nothing).
+    moved = not torch.equal(a[0], make_model().state_dict()["0.weight"])  # 0.weight first
+    rd.destroy_process_group()
+    return {"same": same, "moved": moved, **extra}
+
+
+def fault_train(rank: int, kind: str, where: str, culprit: int, cfg: dict[str, Any]) -> Any:
+    """Train; on the culprit inject ``kind`` at FAULT_STEP in ``where`` (forward, backward
+    or data). Survivors report the error and how long after the step began it came."""
+    _init(cfg)
+    layer = FaultLayer()
+    if rank == culprit:
+        layer.kind, layer.where = (kind, where) if where != "data" else ("", "")
+    model = rd.ResilientDDP(make_model(fault=layer))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t0 = time.monotonic()
+    try:
+        for step, (x, y) in enumerate(batches(rank, FAULT_STEP + 3)):
+            layer.step = step
+            t0 = time.monotonic()
+            if rank == culprit and where == "data" and step == FAULT_STEP:
+                inject(kind, cfg["op_timeout"] + 4)
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except rd.ResilientDDPError as e:
+        out = error_summary(e, t0)
+        out["step"] = layer.step
+        return out
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def one_batch_fewer(rank: int, cfg: dict[str, Any]) -> Any:
+    """Rank 1 has one batch fewer than the others (the classic uneven-data hang)."""
+    _init(cfg)
+    model = rd.ResilientDDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(rank, 4 if rank == 1 else 5)
+    t0 = time.monotonic()
+    try:
+        for x, y in data:
+            t0 = time.monotonic()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def mismatched_params(rank: int) -> Any:
+    _init({"op_timeout": 5})
+    t0 = time.monotonic()
+    try:
+        rd.ResilientDDP(make_model(width=17 if rank == 1 else 16))
+    except rd.PreflightError as e:
+        out = error_summary(e, t0)
+        out["problems"] = list(e.problems)
+        out["ptable"] = e.table
+        return out
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def builtin_hook_refused(rank: int) -> Any:
+    _init()
+    model = rd.ResilientDDP(make_model())
+    try:
+        model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    except rd.ConfigError as e:
+        return str(e)
+    finally:
+        rd.destroy_process_group()
+    return "accepted"

@@ -1,0 +1,101 @@
+"""ResilientDDP with real gloo ranks: parity with DDP, and faults injected during training."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_ddp.testing import format_outcomes, run_ranks
+
+from . import _ddp_workers as d
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 4.0, "op_timeout": 1.5}
+
+
+def _values(fn: Any, world: int, *args: Any, ranks: list[int], grace: float = 10.0) -> dict:
+    outcomes = run_ranks(
+        fn, world, args, timeout=timedelta(seconds=45), grace=timedelta(seconds=grace)
+    )
+    report = format_outcomes(outcomes)
+    for r in ranks:
+        assert outcomes[r].exitcode == 0, report
+    return {r: outcomes[r].value for r in ranks}
+
+
+@pytest.mark.parametrize("mode", ["plain", "no_sync", "join", "hook", "checkpoint"])
+def test_bitwise_parity_with_ddp(mode: str, tmp_path: Path) -> None:
+    values = _values(d.parity, 3, mode, str(tmp_path), ranks=[0, 1, 2])
+    for r, v in values.items():
+        assert v["same"], (r, v)
+        assert v["moved"], (r, v)
+        if mode == "plain":
+            assert v["isinstance"] is True
+            assert v["module"] == "Sequential"
+
+
+FAULTS = [
+    ("kill", "forward"),
+    ("kill", "backward"),
+    ("raise", "forward"),
+    ("raise", "backward"),
+    ("sleep", "data"),
+    ("sleep", "backward"),
+    ("sigstop", "forward"),
+    ("sigstop", "backward"),
+]
+
+
+@pytest.mark.parametrize(("kind", "where"), FAULTS)
+def test_fault_during_training_is_named_on_every_survivor(kind: str, where: str) -> None:
+    culprit = 2
+    survivors = [0, 1, 3]
+    grace = 2.0 if kind == "sigstop" else 10.0
+    values = _values(d.fault_train, 4, kind, where, culprit, FAST, ranks=survivors, grace=grace)
+    for r, v in values.items():
+        assert isinstance(v, dict), (r, v)
+        assert v["ranks"] == [culprit], v["message"]
+        assert "RankFailureError" in v["mro"], v
+        assert v["step"] == d.FAULT_STEP, v
+        if kind in ("kill", "raise"):
+            assert v["elapsed"] < 2.0, v
+        else:
+            assert v["type"] == "CollectiveTimeoutError", v
+            assert v["elapsed"] < FAST["op_timeout"] + 2.0, v
+        if kind == "raise":
+            assert v["exc_type"] == "ValueError"
+            assert "injected failure" in v["message"]
+        if kind == "sleep":
+            assert "slow_data_loader" in v["stacks"][0], v["message"]
+            phase = "data" if where == "data" else "backward"
+            assert f"phase '{phase}'" in v["message"], v["message"]
+        if kind == "sigstop":
+            assert "stopped" in v["message"]
+
+
+def test_one_batch_fewer_is_an_error_not_a_hang() -> None:
+    values = _values(d.one_batch_fewer, 3, FAST, ranks=[0, 1, 2])
+    assert values[1] == "no error"
+    for r in (0, 2):
+        v = values[r]
+        assert v["type"] == "RankFailureError", v
+        assert v["ranks"] == [1], v["message"]
+        assert "left the group" in v["message"]
+        assert v["elapsed"] < 2.0
+
+
+def test_mismatched_parameters_raise_preflight_error_with_table() -> None:
+    values = _values(d.mismatched_params, 3, ranks=[0, 1, 2])
+    for v in values.values():
+        assert v["type"] == "PreflightError", v
+        assert any("rank 1" in p and "(17, 8)" in p for p in v["problems"]), v["problems"]
+        assert set(v["ptable"]) == {0, 1, 2}
+        assert v["elapsed"] < 5.0
+
+
+def test_builtin_comm_hook_is_refused_with_a_hint() -> None:
+    values = _values(d.builtin_hook_refused, 2, ranks=[0, 1])
+    for v in values.values():
+        assert "HINT" in v
