@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import time
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel
 
 import resilient_ddp as rd
 from resilient_ddp.testing import kill_self, stop_self
@@ -87,7 +88,7 @@ def _train(model: nn.Module, data: Any, accumulate: int = 1) -> list[torch.Tenso
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for i, (x, y) in enumerate(data):
         last = (i + 1) % accumulate == 0
-        ctx = model.no_sync() if not last else _null()
+        ctx = model.no_sync() if not last else contextlib.nullcontext()
         with ctx:
             loss = ((model(x) - y) ** 2).mean()
             loss.backward()
@@ -97,54 +98,55 @@ def _train(model: nn.Module, data: Any, accumulate: int = 1) -> list[torch.Tenso
     return [t.detach().clone() for t in model.state_dict().values()]
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
-
-
 def parity(rank: int, mode: str, tmp: str) -> Any:
     """Train ResilientDDP and plain DDP on the same data; report whether they agree."""
     _init()
     data = batches(rank, 6)
     extra: dict[str, Any] = {}
     if mode == "plain":
-        m1 = rd.ResilientDDP(make_model())
-        extra = {"isinstance": isinstance(m1, DDP), "module": type(m1.module).__name__}
+        m1 = rd.ResilientDistributedDataParallel(make_model())
+        extra = {
+            "isinstance": isinstance(m1, DistributedDataParallel),
+            "module": type(m1.module).__name__,
+        }
         a = _train(m1, data)
-        b = _train(DDP(make_model()), data)
+        b = _train(DistributedDataParallel(make_model()), data)
     elif mode == "no_sync":
-        a = _train(rd.ResilientDDP(make_model()), data, accumulate=3)
-        b = _train(DDP(make_model()), data, accumulate=3)
+        a = _train(rd.ResilientDistributedDataParallel(make_model()), data, accumulate=3)
+        b = _train(DistributedDataParallel(make_model()), data, accumulate=3)
     elif mode == "join":
         uneven = batches(rank, 3 + rank)  # rank r has 3 + r batches
-        m1, m2 = rd.ResilientDDP(make_model()), DDP(make_model())
+        m1, m2 = (
+            rd.ResilientDistributedDataParallel(make_model()),
+            DistributedDataParallel(make_model()),
+        )
         with m1.join():
             a = _train(m1, uneven)
         with m2.join():
             b = _train(m2, uneven)
     elif mode == "hook":
-        m1, m2 = rd.ResilientDDP(make_model()), DDP(make_model())
+        m1, m2 = (
+            rd.ResilientDistributedDataParallel(make_model()),
+            DistributedDataParallel(make_model()),
+        )
         m1.register_comm_hook(None, default_hooks.allreduce_hook)
         m2.register_comm_hook(None, default_hooks.allreduce_hook)
         a, b = _train(m1, data), _train(m2, data)
     elif mode == "checkpoint":
         # Saved from ResilientDDP, loaded into DDP (and back): same keys, same values.
-        m1 = rd.ResilientDDP(make_model())
+        m1 = rd.ResilientDistributedDataParallel(make_model())
         a = _train(m1, data)
         path = os.path.join(tmp, "ckpt.pt")
         if rank == 0:
             torch.save(m1.state_dict(), path)
         rd.barrier()
-        m2 = DDP(make_model())
+        m2 = DistributedDataParallel(make_model())
         m2.load_state_dict(torch.load(path))
         # Buffers (BatchNorm running stats) are per rank after the last forward; the
         # parameters are what every rank shares.
         a = [p.detach().clone() for p in m1.parameters()]
         b = [p.detach().clone() for p in m2.parameters()]
-        m3 = rd.ResilientDDP(make_model())
+        m3 = rd.ResilientDistributedDataParallel(make_model())
         m3.load_state_dict(m2.state_dict())
         assert list(m1.state_dict()) == list(m2.state_dict()) == list(m3.state_dict())
         assert all(
@@ -167,7 +169,7 @@ def fault_train(rank: int, kind: str, where: str, culprit: int, cfg: dict[str, A
     layer = FaultLayer()
     if rank == culprit:
         layer.kind, layer.where = (kind, where) if where != "data" else ("", "")
-    model = rd.ResilientDDP(make_model(fault=layer))
+    model = rd.ResilientDistributedDataParallel(make_model(fault=layer))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     t0 = time.monotonic()
     try:
@@ -192,7 +194,7 @@ def fault_train(rank: int, kind: str, where: str, culprit: int, cfg: dict[str, A
 def one_batch_fewer(rank: int, cfg: dict[str, Any]) -> Any:
     """Rank 1 has one batch fewer than the others (the classic uneven-data hang)."""
     _init(cfg)
-    model = rd.ResilientDDP(make_model())
+    model = rd.ResilientDistributedDataParallel(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = batches(rank, 4 if rank == 1 else 5)
     t0 = time.monotonic()
@@ -213,7 +215,7 @@ def mismatched_params(rank: int) -> Any:
     _init({"op_timeout": 5})
     t0 = time.monotonic()
     try:
-        rd.ResilientDDP(make_model(width=17 if rank == 1 else 16))
+        rd.ResilientDistributedDataParallel(make_model(width=17 if rank == 1 else 16))
     except rd.PreflightError as e:
         out = error_summary(e, t0)
         out["problems"] = list(e.problems)
@@ -226,7 +228,7 @@ def mismatched_params(rank: int) -> Any:
 
 def builtin_hook_refused(rank: int) -> Any:
     _init()
-    model = rd.ResilientDDP(make_model())
+    model = rd.ResilientDistributedDataParallel(make_model())
     try:
         model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     except rd.ConfigError as e:
