@@ -8,9 +8,12 @@ the same all-reduce, interleaved in rounds so that machine noise hits them equal
 * ``rd+validate``: ``resilient_ddp.all_reduce(t, timeout=..., validate=True)``
 
 Every round runs one block of each variant, in an order that rotates from round to round.
-Every op is timed on its own and the table gives the median per op as measured on rank 0
-(rank 1's medians are in the JSON). Both ranks run exactly the same sequence of
-collectives: the plan is computed once in the parent and nothing in it depends on the rank.
+Every op is timed on its own; the table gives the median per op as measured on rank 0
+(rank 1's medians are in the JSON). The ratio and added-time columns compare each round's
+block with the raw block of the same round and take the median over rounds, so that slow
+changes in the machine's load (other processes) cancel out. Both ranks run exactly the
+same sequence of collectives: the plan is computed once in the parent and nothing in it
+depends on the rank.
 
 Usage::
 
@@ -159,6 +162,18 @@ def summarize(per_rank: list[dict[str, Any]], plan: list[tuple[int, int, int]]) 
     for i, (nbytes, rounds, block) in enumerate(plan):
         r0 = per_rank[0]["rows"][i]
         med = {v: statistics.median(r0["samples_ns"][v]) / 1e3 for v in VARIANTS}
+        # Per round, the median of each variant's block; the rounds of one variant are
+        # compared with the raw block of the same round, so that slow drifts in the
+        # machine's load (other processes) cancel out.
+        per_round = {
+            v: [
+                statistics.median(r0["samples_ns"][v][k * block : (k + 1) * block]) / 1e3
+                for k in range(rounds)
+            ]
+            for v in VARIANTS
+        }
+        others = [v for v in VARIANTS if v != "raw"]
+        raw_rounds = per_round["raw"]
         rows.append(
             {
                 "bytes": nbytes,
@@ -169,8 +184,19 @@ def summarize(per_rank: list[dict[str, Any]], plan: list[tuple[int, int, int]]) 
                 "median_us": med,
                 "p10_us": {v: _quantile(r0["samples_ns"][v], 0.1) for v in VARIANTS},
                 "p90_us": {v: _quantile(r0["samples_ns"][v], 0.9) for v in VARIANTS},
-                "ratio": {v: med[v] / med["raw"] for v in VARIANTS if v != "raw"},
-                "added_us": {v: med[v] - med["raw"] for v in VARIANTS if v != "raw"},
+                "ratio": {
+                    v: statistics.median(
+                        [a / b for a, b in zip(per_round[v], raw_rounds, strict=True)]
+                    )
+                    for v in others
+                },
+                "added_us": {
+                    v: statistics.median(
+                        [a - b for a, b in zip(per_round[v], raw_rounds, strict=True)]
+                    )
+                    for v in others
+                },
+                "ratio_of_medians": {v: med[v] / med["raw"] for v in others},
                 "median_us_by_rank": [
                     {v: statistics.median(pr["rows"][i]["samples_ns"][v]) / 1e3 for v in VARIANTS}
                     for pr in per_rank
@@ -335,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             "device": "cpu",
             "dtype": "float32",
             "torch_threads_per_rank": 1,
-            "statistic": "median per op on rank 0; each variant interleaved in rotating rounds",
+            "statistic": (
+                "times: median per op on rank 0; ratio and added time: median over rounds "
+                "of the per-round comparison with the raw block of the same round"
+            ),
             "op_timeout_s": OP_TIMEOUT_S,
             "warmup_ops": warmup,
         },

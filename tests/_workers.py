@@ -249,3 +249,27 @@ def torchrun_main() -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     rd.destroy_process_group()
+
+
+def standalone_main() -> None:
+    """A rank started as a plain subprocess (no rd.spawn), as torchrun would start it.
+
+    ``RD_TEST_FAULT`` (kill|stop) hits rank 2 after one op; ``RD_TEST_END``
+    (destroy|return|exit3) says how the survivors end after catching the error.
+    """
+    import sys
+
+    fault, end = os.environ["RD_TEST_FAULT"], os.environ["RD_TEST_END"]
+    rank = int(os.environ["RANK"])
+    _init({"op_timeout": 1.5, "heartbeat_interval": 0.2, "heartbeat_timeout": 4.0})
+    rd.all_reduce(torch.ones(2))
+    if rank == 2:
+        kill_self() if fault == "kill" else stop_self()
+    try:
+        rd.all_reduce(torch.ones(2))
+    except rd.RankFailureError as e:
+        print(f"rank {rank} caught {type(e).__name__} naming {list(e.ranks)}", flush=True)
+    if end in ("destroy", "exit3"):
+        rd.destroy_process_group()
+    if end == "exit3":
+        sys.exit(3)

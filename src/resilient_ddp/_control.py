@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -245,6 +246,8 @@ def culprit_from(
         "step": state.get("step", -1),
         "phase": state.get("phase", ""),
     }
+    if "t" in state:
+        c["state_age"] = round(max(0.0, time.time() - float(state["t"])), 3)
     c.update(extra)
     return c
 

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -183,7 +183,7 @@ class Runtime:
             self.pending.add(p)
         # A failure recorded between begin_op and register must still reach this op.
         if self.failed_for(p.seq):
-            p.event.set()
+            self._fail_pending(p)
 
     def unregister(self, p: PendingOp) -> None:
         with self.lock:
@@ -204,6 +204,7 @@ class Runtime:
             "section": self.section,
             "status": self.status,
             "compute_s": self.compute_s,
+            "raised": self.raised,
             "t": time.time(),
         }
 
@@ -239,6 +240,8 @@ class Runtime:
                 # dead while stopped, say), both doom its pending ops.
                 self.failures.append(ev)
                 woke = True
+        if woke:
+            arm_exit_guard()
             pending = list(self.pending)
         if woke:
             for p in pending:
@@ -264,7 +267,7 @@ class Runtime:
         found: dict[int, Culprit] = {}
         for i, ev in enumerate(self.failures):
             if ev["kind"] == ctl.EV_TIMEOUT:
-                if i == 0:
+                if i == 0 and ev.get("cls", "timeout") == "timeout":
                     cls = CollectiveTimeoutError
                 for c in ev.get("culprits", []):
                     found.setdefault(c["rank"], ctl.to_culprit(c))
@@ -281,10 +284,16 @@ class Runtime:
                 found.setdefault(r, ctl.to_culprit(ev["culprit"]))
         return cls, list(found.values())
 
+    def mark_raised(self) -> None:
+        """This rank raises a failure error: its later departure is a consequence, and the
+        process must not run gloo's destructors at exit (see :func:`arm_exit_guard`)."""
+        self.raised = True
+        arm_exit_guard()
+
     def build_error(self, name: str, seq: int) -> RankFailureError:
         """The typed error explaining why op ``seq`` cannot complete (marks this rank as
         failed by consequence, so that its later departure names no one)."""
-        self.raised = True
+        self.mark_raised()
         if self.control_plane_error is not None and not self.failures:
             # Fatal: nothing can be coordinated any more. ControlPlaneError is no
             # RankFailureError, so wrap it to keep one type for "the group is gone".
@@ -300,8 +309,9 @@ class Runtime:
         first = self.failures[0] if self.failures else None
         head = f"{name}#{seq} on rank {self.rank} (generation {self.generation}) cannot complete"
         if first is not None and first["kind"] == ctl.EV_TIMEOUT and first["reporter"] != self.rank:
+            verb = "timed out" if first.get("cls", "timeout") == "timeout" else "failed"
             head += (
-                f": rank {first['reporter']} timed out in {first['op']}#{first['seq']} after "
+                f": rank {first['reporter']} {verb} in {first['op']}#{first['seq']} after "
                 f"{first['waited']:.1f} s"
             )
         if culprits:
@@ -325,7 +335,14 @@ class Runtime:
         """Post this rank's own uncaught exception before the process dies."""
         if self.status != "running":
             return
-        secondary = isinstance(exc, _SECONDARY) or bool(self.failures)
+        if _is_backend_error(exc) and not self.failures and self.watchdog is not None:
+            # A raw torch.distributed error in user code is usually a peer's death seen
+            # first: give the watchdog a moment to learn of it before blaming this rank.
+            self.watchdog.poke()
+            end = time.monotonic() + 2 * self.config.heartbeat_interval.total_seconds() + 0.5
+            while time.monotonic() < end and not self.failures and not self.left:
+                time.sleep(0.02)
+        secondary = isinstance(exc, _SECONDARY) or bool(self.failures) or bool(self.left)
         culprit = ctl.culprit_from(
             self.rank,
             what=f"raised {_qualname(type(exc))}" + (f" in thread {thread!r}" if thread else ""),
@@ -362,6 +379,9 @@ class Runtime:
         )
         self.status = "left"
         try:
+            # The watchdog stops next: publish the final state ourselves, so that a peer's
+            # diagnosis does not wait for an answer from a rank that is gone.
+            self.control.publish_state(self.rank, self.snapshot(-1))
             self.control.claim(self.rank)
             self.post(
                 {
@@ -393,29 +413,50 @@ class Runtime:
         """
         others = [r for r in range(self.world_size) if r != self.rank]
         request = control.request_diagnosis()
-        deadline = time.monotonic() + self.config.diagnosis_timeout.total_seconds()
+        # Peers answer at their next heartbeat: never wait less than two of them.
+        interval = self.config.heartbeat_interval.total_seconds()
+        window = max(self.config.diagnosis_timeout.total_seconds(), 2 * interval + 0.25)
+        deadline = time.monotonic() + window
+        answers: dict[int, dict[str, Any]] = {}
         states = control.read_states(others)
-        while time.monotonic() < deadline:
-            if all(
-                s.get("diag", 0) >= request or s.get("status") != "running" for s in states.values()
-            ):
+        while True:
+            for r, st in states.items():
+                # Keep the first answer: the next heartbeat republishes it without the stack.
+                if r not in answers and (
+                    st.get("diag", 0) >= request or st.get("status") != "running"
+                ):
+                    answers[r] = st
+            if len(answers) == len(others) or self.failed_for(seq):
+                break
+            if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
             states = control.read_states(others)
         culprits: list[dict[str, Any]] = []
+        hb_timeout = self.config.heartbeat_timeout.total_seconds()
         for r in others:
-            s = states.get(r, {})
+            answered = r in answers
+            s = answers.get(r, states.get(r, {}))
             info = self.infos.get(r, {})
-            what = self._what_blocks(r, s, s.get("diag", 0) >= request, name, seq)
+            what = self._what_blocks(r, s, answered, name, seq)
             if what:
+                stopped = self.is_local(r) and ctl.process_state(int(info.get("pid", 0))) == "T"
+                fresh = time.time() - float(s.get("t", 0)) < hb_timeout
                 culprits.append(
-                    ctl.culprit_from(r, what=what, info=info, state=s, stack=s.get("stack"))
+                    ctl.culprit_from(
+                        r,
+                        what=what,
+                        info=info,
+                        state=s,
+                        stack=s.get("stack"),
+                        alive=answered or (fresh and not stopped),
+                    )
                 )
         # Name root causes only. A rank blocked in an earlier collective is waiting on
         # someone else; a rank ahead may simply have completed its part (a broadcast
         # receiver does not wait for the others). Each is named only when nothing more
         # basic explains the stall (then it skipped or diverged).
-        for level in (0, 1, 2):
+        for level in (0, 1, 2, 3):
             named = [c for c in culprits if _blame_level(c["what"]) == level]
             if named:
                 return named
@@ -425,10 +466,10 @@ class Runtime:
         self, r: int, s: dict[str, Any], answered: bool, name: str, seq: int
     ) -> str:
         """Why rank ``r`` (last state ``s``) keeps op ``seq`` from completing, or ``""``."""
-        if s.get("status") == "left":
-            return "left the group"
-        if s.get("status") == "failed":
-            return "failed"
+        if s.get("status") in ("left", "failed"):
+            gone = "left the group" if s["status"] == "left" else "failed"
+            # After raising one of our errors itself, it is a consequence (see _blame_level).
+            return f"{gone} after an error of its own" if s.get("raised") else gone
         if not answered:
             pid = int(self.infos.get(r, {}).get("pid", 0))
             if self.is_local(r) and ctl.process_state(pid) == "T":
@@ -455,6 +496,8 @@ class Runtime:
 
 
 def _blame_level(what: str) -> int:
+    if what.endswith("after an error of its own"):
+        return 3
     if what.startswith("is ahead"):
         return 2
     if what.startswith("never arrived") and "outside any collective" not in what:
@@ -468,9 +511,15 @@ def _qualname(cls: type) -> str:
     return cls.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{cls.__qualname__}"
 
 
+# Modules of ours that run user-facing code (the demo, test helpers): never elided.
+_USER_FACING = ("_demo.py", "testing.py")
+
+
 def _is_internal(filename: str) -> bool:
     path = os.path.abspath(filename)
-    return path.startswith(_PACKAGE_DIR) or path == _THREADING_FILE
+    if path == _THREADING_FILE:
+        return True
+    return path.startswith(_PACKAGE_DIR) and not path.endswith(_USER_FACING)
 
 
 def format_stack(frame: FrameType, depth: int) -> str:
@@ -544,11 +593,64 @@ def hard_exit(code: int) -> None:
     would keep the interpreter from exiting until the process group's own timeout.
     """
     try:
+        atexit.unregister(_exit_guard)
         atexit._run_exitfuncs()
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _is_backend_error(exc: BaseException) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(os.sep + os.path.join("torch", "distributed") + os.sep in f.filename for f in frames)
+
+
+_guard_armed = False
+_exit_code: int = 0
+_original_exit = sys.exit
+
+
+def _normalise_code(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    return 1  # sys.exit("message") prints it and exits 1
+
+
+def _recording_exit(code: str | int | None = None) -> NoReturn:
+    global _exit_code
+    _exit_code = _normalise_code(code)
+    _original_exit(code)
+
+
+def _exit_guard() -> None:
+    atexit.unregister(_exit_guard)  # hard_exit runs the other handlers, not this one again
+    hard_exit(_exit_code)
+
+
+def arm_exit_guard() -> None:
+    """After a failure, end the process without the interpreter's teardown.
+
+    Gloo objects of a failed group, destructed at interpreter exit, block on a stopped peer
+    or throw on a dead one (SIGABRT), whatever the program did meanwhile. Registered last,
+    the guard runs first among the atexit handlers; it runs the others, then ``os._exit``
+    with the code given to ``sys.exit`` (0 for a normal end). A ``raise SystemExit(n)``
+    that bypasses ``sys.exit`` exits 0: prefer ``sys.exit``.
+    """
+    global _guard_armed
+    if _guard_armed:
+        return
+    _guard_armed = True
+    sys.exit = _recording_exit
+    atexit.register(_exit_guard)
 
 
 def install_hooks() -> None:

@@ -103,6 +103,11 @@ class _Op:
         budget_s = _seconds("budget", budget, cfg.effective_op_budget)
         self.budget_s = max(budget_s, self.attempt_s)
         self.policy = _attempts(retry, cfg.retry)
+        if self.policy.attempts > 1 and group is not None:
+            raise ConfigError(
+                "retry is supported on the default group only: a group retry rebuilds the "
+                "world group as a new generation."
+            )
         self.validate = cfg.validate_collectives if validate is None else validate
         self.start = time.monotonic()
         self.deadline = self.start + self.budget_s
@@ -187,7 +192,7 @@ class _Op:
                 culprits = rt.diagnose(rt.control, self.name, self.seq)
                 if rt.failed_for(self.seq):
                     continue  # the watchdog explained it meanwhile
-                alive = all(not c["what"].startswith(("is not", "is stopped")) for c in culprits)
+                alive = all(c.get("alive", False) for c in culprits)
                 if culprits and alive and time.monotonic() < self.deadline:
                     log.warning(
                         "rank %d: %s#%d still waiting after %.1f s for rank(s) %s (alive); "
@@ -234,6 +239,7 @@ class _Op:
             culprits,
             f"the backend failed ({type(error).__name__}: {error})",
             cause=error,
+            cls_name="failure",
         )
 
     def _timed_out(self, culprits: list[dict[str, Any]], *, done: bool) -> None:
@@ -249,8 +255,10 @@ class _Op:
         reason: str,
         *,
         cause: BaseException | None,
+        cls_name: str = "timeout",
     ) -> None:
         rt = self.rt
+        rt.mark_raised()
         waited = time.monotonic() - self.start
         rt.post(
             {
@@ -260,6 +268,7 @@ class _Op:
                 "seq": self.seq,
                 "waited": waited,
                 "culprits": culprits,
+                "cls": cls_name,
             }
         )
         objs = [ctl.to_culprit(c) for c in culprits]
@@ -302,7 +311,7 @@ def _validate(op: _Op, sig: dict[str, Any]) -> None:
         return
     # Every rank saw the same MAX/MIN, so every rank takes this path: exchange the details.
     rt.mismatches += 1
-    rt.raised = True
+    rt.mark_raised()
     k = rt.mismatches
     mine = {"seq": str(op.seq), **{key: str(v) for key, v in sig.items()}}
     rt.control.publish_signature(k, rt.rank, mine)

@@ -72,6 +72,8 @@ class Culprit:
         exc_message: The exception's message when the rank raised, else ``None``.
         traceback: Summary of the exception's traceback (innermost frames last).
         stack: Where the rank's main thread was, for a rank that is alive but stuck.
+        state_age: How old (seconds) the step/phase/op above were when the failure was
+            detected: they come from the rank's last heartbeat.
     """
 
     rank: int
@@ -86,6 +88,7 @@ class Culprit:
     exc_message: str | None = None
     traceback: str | None = None
     stack: str | None = None
+    state_age: float | None = None
 
     def describe(self) -> str:
         """Return a multi-line, human-readable account of this culprit."""
@@ -98,6 +101,8 @@ class Culprit:
         if self.op:
             doing.append(f"last op {self.op}#{self.seq}")
         if doing:
+            if self.state_age is not None and self.state_age >= _FRESH_S:
+                doing.append(f"as of {self.state_age:.1f} s earlier")
             head += " [" + ", ".join(doing) + "]"
         lines = [head]
         if self.exc_type is not None:
@@ -108,6 +113,9 @@ class Culprit:
             lines.append("    main thread is at:")
             lines.append(_indent(self.stack, "    | "))
         return "\n".join(lines)
+
+
+_FRESH_S = 0.05  # a state younger than this is shown without its age
 
 
 def _indent(text: str, prefix: str) -> str:

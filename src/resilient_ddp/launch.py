@@ -291,6 +291,10 @@ def _child_main(
     try:
         value = fn(rank, *args)
         message: tuple[str, Any] = ("value", value)
+    except SystemExit as e:
+        # sys.exit() is a departure, not a crash: as under torchrun, the code decides.
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        message = ("value", None) if code == 0 else ("exit", code)
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         code = 1
         from . import _runtime

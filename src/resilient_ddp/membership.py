@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -27,19 +28,31 @@ log = logging.getLogger("resilient_ddp")
 def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> None:
     """Agree with every rank to redo op ``seq`` and move the job to the next generation.
 
-    Blocks until every rank voted (polling the store every 20 ms) or ``deadline``
-    (``time.monotonic()`` seconds).
+    Two-phase: every rank votes; a rank that gives up at ``deadline`` (``time.monotonic()``
+    seconds) withdraws the offer for everyone, so that a late voter cannot rebuild alone.
+    Polls the store every 20 ms.
 
     Raises:
-        RankFailureError: A rank did not vote in time (it completed the op and moved on,
-            or failed) or a failure was reported meanwhile; nobody retries then.
+        RankFailureError: Not every rank voted in time (one completed the op and moved on,
+            or failed), a failure was reported meanwhile, or the new group could not form
+            within the budget. Nobody retries then.
     """
+    store = rt.control.store
     key = f"retry/{seq}/{attempt}"
-    votes = int(rt.control.store.add(key, 1))
-    while votes < rt.world_size:
+    votes = int(store.add(key, 1))
+    while votes < rt.world_size or store.check([key + "/abort"]):
+        if store.check([key + "/abort"]):
+            raise RankFailureError(
+                f"{name}#{seq}: the group retry was called off by a rank that gave up",
+                op=name,
+                seq=seq,
+                generation=rt.generation,
+            )
         if rt.failed_for(seq):
             raise rt.build_error(name, seq)
         if time.monotonic() >= deadline:
+            store.set(key + "/abort", "1")
+            rt.mark_raised()
             raise RankFailureError(
                 f"{name}#{seq}: only {votes} of {rt.world_size} ranks agreed to retry within "
                 "the budget; the others completed the op or failed, so nobody retries",
@@ -48,8 +61,8 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
                 generation=rt.generation,
             )
         time.sleep(0.02)
-        votes = int(rt.control.store.add(key, 0))
-    rebuild(rt, rt.generation + 1)
+        votes = int(store.add(key, 0))
+    rebuild(rt, rt.generation + 1, timeout_s=max(1.0, deadline - time.monotonic()))
     log.warning(
         "rank %d: %s#%d retried as a group (attempt %d), now generation %d",
         rt.rank,
@@ -60,10 +73,14 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
     )
 
 
-def rebuild(rt: Runtime, generation: int) -> None:
+def rebuild(rt: Runtime, generation: int, *, timeout_s: float) -> None:
     """Replace the default process group with a fresh one for ``generation``.
 
-    Blocks while the new group rendezvouses (bounded by the backend's timeout).
+    Blocks while the new group rendezvouses, at most ``timeout_s`` seconds.
+
+    Raises:
+        RankFailureError: The new group did not form in time (the backend's error is kept
+            as ``__cause__``).
     """
     if rt.watchdog is not None:
         rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
@@ -77,13 +94,25 @@ def rebuild(rt: Runtime, generation: int) -> None:
     rt.stuck.clear()
     dist.destroy_process_group()
     store = dist.PrefixStore(f"g{generation}/pg", rt.control_root)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rt.rank,
-        world_size=rt.world_size,
-        timeout=default_pg_timeout(rt.config.effective_op_budget, rt.config.heartbeat_timeout),
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except Exception as e:
+        rt.mark_raised()
+        raise RankFailureError(
+            f"rank {rt.rank} could not form generation {generation} within {timeout_s:.1f} s "
+            f"({type(e).__name__}: {e})",
+            generation=rt.generation,
+        ) from e
+    # Later ops must not inherit the short rendezvous timeout.
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        set_timeout(default_pg_timeout(rt.config.effective_op_budget, rt.config.heartbeat_timeout))
     rt.generation = generation
     rt.control = ctl.ControlPlane(rt.control_root, generation)
     with rt.lock:
@@ -91,3 +120,6 @@ def rebuild(rt: Runtime, generation: int) -> None:
         rt.left.clear()
     rt.owns_group = True
     _join_control_plane(rt)
+    if rt.rank == 0:
+        # The launcher (rd.spawn) reads the current generation from here.
+        rt.control_root.set("gen", str(generation))

@@ -25,6 +25,8 @@ __all__: list[str] = []
 
 log = logging.getLogger("resilient_ddp")
 
+_MAX_TICK_ERRORS = 5  # consecutive unexpected errors before the watchdog stops
+
 
 class Watchdog(threading.Thread):
     """Heartbeat publisher and failure detector for one rank; see the module docstring."""
@@ -38,7 +40,8 @@ class Watchdog(threading.Thread):
         self._stop_event = threading.Event()
         self._wake = threading.Event()
         self._beat = 0
-        self._events_seen = 0
+        self._last_count = 0  # ev/n when last read
+        self._lines_seen = 0  # events consumed from ev/log (may run ahead of ev/n)
         self._diag_answered = 0
         self._last_change: dict[int, tuple[int, float]] = {}
         world, rank = runtime.world_size, runtime.rank
@@ -59,18 +62,26 @@ class Watchdog(threading.Thread):
         self._wake.set()
 
     def run(self) -> None:
-        try:
-            while not self._stop_event.is_set():
+        errors = 0
+        while not self._stop_event.is_set():
+            try:
                 self.tick()
-                self._wake.wait(self.interval)
-                self._wake.clear()
-        except ControlPlaneError as e:
-            if not self._stop_event.is_set():
-                log.error("rank %d: %s", self.rt.rank, e)
-                self.rt.on_control_plane_lost(e)
-                self._abort_backend()
-        except Exception:
-            log.exception("rank %d: resilient_ddp watchdog crashed", self.rt.rank)
+                errors = 0
+            except ControlPlaneError as e:
+                if not self._stop_event.is_set():
+                    log.error("rank %d: %s", self.rt.rank, e)
+                    self.rt.on_control_plane_lost(e)
+                    self._abort_backend()
+                return
+            except Exception:
+                # A silent watchdog would get this live rank declared dead: log and go on.
+                errors += 1
+                log.exception("rank %d: resilient_ddp watchdog tick failed", self.rt.rank)
+                if errors >= _MAX_TICK_ERRORS:
+                    log.error("rank %d: watchdog gives up after %d errors", self.rt.rank, errors)
+                    return
+            self._wake.wait(self.interval)
+            self._wake.clear()
 
     # -- one tick ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -78,13 +89,16 @@ class Watchdog(threading.Thread):
         self._beat += 1
         self.control.publish_state(rt.rank, self._state())
         n_events, diag, states = self.control.poll(self.watched)
-        if n_events != self._events_seen:
+        if n_events != self._last_count:
+            # A poster that died between appending its line and bumping ev/n leaves the
+            # counter behind the log for good: consume by lines, trigger on any change.
+            self._last_count = n_events
             events = self.control.read_events()
-            fresh = events[self._events_seen :]
-            self._events_seen = len(events)
-            before = len(rt.failures)
+            fresh = events[self._lines_seen :]
+            self._lines_seen = len(events)
+            before = (len(rt.failures), len(rt.left))
             rt.record_events(fresh)
-            if len(rt.failures) > before:
+            if (len(rt.failures), len(rt.left)) != before:
                 self._on_failure()
         if diag > self._diag_answered:
             self._diag_answered = diag

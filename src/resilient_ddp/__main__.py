@@ -1,0 +1,28 @@
+"""Command line: ``python -m resilient_ddp demo`` (also the ``resilient-ddp`` script)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _demo
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="resilient-ddp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="train on local gloo ranks, inject a fault, show what every rank saw",
+        description=_demo.__doc__,
+    )
+    _demo.add_arguments(demo)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo.run(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The README's main job: ``python -m resilient_ddp demo``, end to end with 4 ranks."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def _demo(*args: str) -> tuple[int, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_ddp", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _rows(out: str) -> dict[int, str]:
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"^\s+(\d)\s{2}(\S.*)$", line)
+        if m:
+            rows[int(m.group(1))] = m.group(2)
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"), [("kill", "RankFailureError"), ("hang", "CollectiveTimeoutError")]
+)
+def test_demo_names_the_culprit_on_every_survivor(fault: str, error: str) -> None:
+    code, out = _demo("--fault", fault, "--rank", "1", "--step", "3", "--op-timeout", "2")
+    assert code == 1, out
+    rows = _rows(out)
+    assert set(rows) == {0, 1, 2, 3}, out
+    for r in (0, 2, 3):
+        fields = rows[r].split()
+        assert fields[0] == error, out
+        assert fields[1] == "1", out  # named exactly rank 1
+    if fault == "hang":
+        assert "time.sleep(3600)" in out  # the culprit's stack is shown
+
+
+def test_demo_without_fault_finishes_and_exits_zero() -> None:
+    code, out = _demo("--fault", "none", "--steps", "4")
+    assert code == 0, out
+    assert all("finished 4 steps" in row for row in _rows(out).values()), out
