@@ -104,7 +104,7 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
     data = batches(rank, 6)
     extra: dict[str, Any] = {}
     if mode == "plain":
-        m1 = rd.ResilientDistributedDataParallel(make_model())
+        m1 = rd.ResilientDDP(make_model())
         extra = {
             "isinstance": isinstance(m1, DistributedDataParallel),
             "module": type(m1.module).__name__,
@@ -112,12 +112,12 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
         a = _train(m1, data)
         b = _train(DistributedDataParallel(make_model()), data)
     elif mode == "no_sync":
-        a = _train(rd.ResilientDistributedDataParallel(make_model()), data, accumulate=3)
+        a = _train(rd.ResilientDDP(make_model()), data, accumulate=3)
         b = _train(DistributedDataParallel(make_model()), data, accumulate=3)
     elif mode == "join":
         uneven = batches(rank, 3 + rank)  # rank r has 3 + r batches
         m1, m2 = (
-            rd.ResilientDistributedDataParallel(make_model()),
+            rd.ResilientDDP(make_model()),
             DistributedDataParallel(make_model()),
         )
         with m1.join():
@@ -126,7 +126,7 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
             b = _train(m2, uneven)
     elif mode == "hook":
         m1, m2 = (
-            rd.ResilientDistributedDataParallel(make_model()),
+            rd.ResilientDDP(make_model()),
             DistributedDataParallel(make_model()),
         )
         m1.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -134,7 +134,7 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
         a, b = _train(m1, data), _train(m2, data)
     elif mode == "checkpoint":
         # Saved from ResilientDDP, loaded into DDP (and back): same keys, same values.
-        m1 = rd.ResilientDistributedDataParallel(make_model())
+        m1 = rd.ResilientDDP(make_model())
         a = _train(m1, data)
         path = os.path.join(tmp, "ckpt.pt")
         if rank == 0:
@@ -146,7 +146,7 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
         # parameters are what every rank shares.
         a = [p.detach().clone() for p in m1.parameters()]
         b = [p.detach().clone() for p in m2.parameters()]
-        m3 = rd.ResilientDistributedDataParallel(make_model())
+        m3 = rd.ResilientDDP(make_model())
         m3.load_state_dict(m2.state_dict())
         assert list(m1.state_dict()) == list(m2.state_dict()) == list(m3.state_dict())
         assert all(
@@ -169,7 +169,7 @@ def fault_train(rank: int, kind: str, where: str, culprit: int, cfg: dict[str, A
     layer = FaultLayer()
     if rank == culprit:
         layer.kind, layer.where = (kind, where) if where != "data" else ("", "")
-    model = rd.ResilientDistributedDataParallel(make_model(fault=layer))
+    model = rd.ResilientDDP(make_model(fault=layer))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     t0 = time.monotonic()
     try:
@@ -194,7 +194,7 @@ def fault_train(rank: int, kind: str, where: str, culprit: int, cfg: dict[str, A
 def one_batch_fewer(rank: int, cfg: dict[str, Any]) -> Any:
     """Rank 1 has one batch fewer than the others (the classic uneven-data hang)."""
     _init(cfg)
-    model = rd.ResilientDistributedDataParallel(make_model())
+    model = rd.ResilientDDP(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = batches(rank, 4 if rank == 1 else 5)
     t0 = time.monotonic()
@@ -215,7 +215,7 @@ def mismatched_params(rank: int) -> Any:
     _init({"op_timeout": 5})
     t0 = time.monotonic()
     try:
-        rd.ResilientDistributedDataParallel(make_model(width=17 if rank == 1 else 16))
+        rd.ResilientDDP(make_model(width=17 if rank == 1 else 16))
     except rd.PreflightError as e:
         out = error_summary(e, t0)
         out["problems"] = list(e.problems)
@@ -228,7 +228,7 @@ def mismatched_params(rank: int) -> Any:
 
 def builtin_hook_refused(rank: int) -> Any:
     _init()
-    model = rd.ResilientDistributedDataParallel(make_model())
+    model = rd.ResilientDDP(make_model())
     try:
         model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     except rd.ConfigError as e:

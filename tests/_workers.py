@@ -172,13 +172,24 @@ def late_rank(rank: int, delay: float, cfg_kwargs: dict[str, Any]) -> Any:
 
 
 class _NeverCompletes:
-    """A backend work handle that never completes: a data plane that lost this rank's op."""
+    """A backend work handle that never completes: a data plane that lost this rank's op.
+
+    Behaves as gloo's work does on a timed wait (FINDINGS): sleeps the timeout, then raises
+    ``RuntimeError("Operation timed out!")``, and stays incomplete.
+    """
 
     def __init__(self) -> None:
         self._fut: torch.futures.Future[Any] = torch.futures.Future()
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        time.sleep(timeout.total_seconds() if timeout else 3600)
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return False
 
 
 def lost_op(rank: int, attempts: int, cfg_kwargs: dict[str, Any]) -> Any:

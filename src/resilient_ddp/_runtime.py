@@ -295,9 +295,8 @@ class Runtime:
         failed by consequence, so that its later departure names no one)."""
         self.mark_raised()
         if self.control_plane_error is not None and not self.failures:
-            # Fatal: nothing can be coordinated any more. ControlPlaneError is no
-            # RankFailureError, so wrap it to keep one type for "the group is gone".
-            err = RankFailureError(
+            # Fatal: nothing can be coordinated any more.
+            err = ControlPlaneError(
                 f"{name}#{seq} on rank {self.rank} cannot complete: {self.control_plane_error}",
                 op=name,
                 seq=seq,
@@ -456,16 +455,58 @@ class Runtime:
         # someone else; a rank ahead may simply have completed its part (a broadcast
         # receiver does not wait for the others). Each is named only when nothing more
         # basic explains the stall (then it skipped or diverged).
-        for level in (0, 1, 2, 3):
+        culprits = self._majority_rule(culprits, answers, states, name, seq)
+        # A rank that left after an error of its own (level 3) is a consequence: never named.
+        for level in (0, 1, 2):
             named = [c for c in culprits if _blame_level(c["what"]) == level]
             if named:
                 return named
-        return culprits
+        return []
+
+    def _majority_rule(
+        self,
+        culprits: list[dict[str, Any]],
+        answers: dict[int, dict[str, Any]],
+        states: dict[int, dict[str, Any]],
+        name: str,
+        seq: int,
+    ) -> list[dict[str, Any]]:
+        """Ranks that issued another collective at ``seq``: the minority is to blame, which
+        may be this rank itself (each side sees the other as different)."""
+        if not any(c["what"].startswith("issued a different") for c in culprits):
+            return culprits
+        ops = {self.rank: name}
+        for r in range(self.world_size):
+            st = answers.get(r, states.get(r, {}))
+            if r != self.rank and st.get("seq") == seq:
+                ops[r] = str(st.get("op"))
+        counts: dict[str, int] = {}
+        for op in ops.values():
+            counts[op] = counts.get(op, 0) + 1
+        majority = max(sorted(counts), key=lambda op: counts[op])
+        if majority == name:
+            return [
+                c
+                for c in culprits
+                if not c["what"].startswith("issued a different") or ops.get(c["rank"]) != name
+            ]
+        others = sorted(r for r, op in ops.items() if op == majority)
+        me = ctl.culprit_from(
+            self.rank,
+            what=f"(this rank) issued {name}#{seq} while rank(s) {others} issued {majority}#{seq}",
+            info=self.identity,
+            state=self.snapshot(0),
+            alive=True,
+        )
+        return [me]
 
     def _what_blocks(  # noqa: PLR0911 - one return per verdict
         self, r: int, s: dict[str, Any], answered: bool, name: str, seq: int
     ) -> str:
         """Why rank ``r`` (last state ``s``) keeps op ``seq`` from completing, or ``""``."""
+        if s.get("seq") == seq and s.get("op") != name:
+            # Judged before its departure: it may have left because of its own divergence.
+            return f"issued a different collective: {s.get('op')}#{seq}"
         if s.get("status") in ("left", "failed"):
             gone = "left the group" if s["status"] == "left" else "failed"
             # After raising one of our errors itself, it is a consequence (see _blame_level).
@@ -481,8 +522,6 @@ class Runtime:
             return f"never arrived at {name}#{seq}: it is {doing}"
         if their_seq > seq:
             return f"is ahead: already in {s.get('op')}#{their_seq}"
-        if s.get("op") != name:
-            return f"issued a different collective: {s.get('op')}#{seq}"
         return ""
 
     def is_local(self, rank: int) -> bool:
@@ -650,6 +689,17 @@ def arm_exit_guard() -> None:
         return
     _guard_armed = True
     sys.exit = _recording_exit
+    previous = sys.excepthook
+
+    def _recording_excepthook(
+        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
+        # The interpreter would exit 1 after an uncaught exception; so must the guard.
+        global _exit_code
+        _exit_code = 1
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = _recording_excepthook
     atexit.register(_exit_guard)
 
 

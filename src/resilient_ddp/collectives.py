@@ -25,8 +25,9 @@ import pickle
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import tenacity
 import torch
 import torch.distributed as dist
 
@@ -57,6 +58,8 @@ log = logging.getLogger("resilient_ddp")
 T = TypeVar("T")
 Duration = timedelta | float | int | None
 _MAX_NDIM = 16
+_MAX_SLICE_S = 0.25  # longest backend wait between two checks for recorded failures
+_MIN_SLICE_S = 0.002  # shorter timeouts round to 0 ms, which c10d takes as "forever"
 
 
 class _TransientError(Exception):
@@ -69,17 +72,36 @@ def _seconds(name: str, value: Duration, default: timedelta) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if seconds <= 0:
         raise ConfigError(f"The {name} ({value}) must be positive.")
+    if seconds < _MIN_SLICE_S:
+        raise ConfigError(f"The {name} ({value}) must be at least {_MIN_SLICE_S * 1000:.0f} ms.")
     return seconds
 
 
-def _attempts(retry: int | RetryPolicy | None, default: RetryPolicy) -> RetryPolicy:
+RetryArg = int | RetryPolicy | tenacity.Retrying | None
+
+
+def _retrying(retry: RetryArg, default: RetryPolicy) -> tuple[tenacity.Retrying, int]:
+    """A tenacity controller for ``retry`` and the number of attempts it allows (0 when a
+    user's own ``tenacity.Retrying`` decides)."""
+    if isinstance(retry, tenacity.Retrying):
+        return retry, 0
     if retry is None:
-        return default
-    if isinstance(retry, RetryPolicy):
-        return retry
-    if isinstance(retry, int) and not isinstance(retry, bool):
-        return RetryPolicy(attempts=retry)
-    raise ConfigError(f"retry should be an int or a RetryPolicy, but given {retry!r}")
+        policy = default
+    elif isinstance(retry, RetryPolicy):
+        policy = retry
+    elif isinstance(retry, int) and not isinstance(retry, bool):
+        policy = RetryPolicy(attempts=retry)
+    else:
+        raise ConfigError(
+            f"retry should be an int, a RetryPolicy or a tenacity.Retrying, but given {retry!r}"
+        )
+    controller = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(policy.attempts),
+        wait=tenacity.wait_exponential(
+            multiplier=policy.backoff.total_seconds(), max=policy.max_backoff.total_seconds()
+        ),
+    )
+    return controller, policy.attempts
 
 
 class _Op:
@@ -91,7 +113,7 @@ class _Op:
         group: dist.ProcessGroup | None,
         timeout: Duration,
         budget: Duration,
-        retry: int | RetryPolicy | None,
+        retry: RetryArg,
         validate: bool | None,
     ) -> None:
         rt = ensure_runtime()
@@ -100,10 +122,14 @@ class _Op:
         self.name = name
         self.group = group
         self.attempt_s = _seconds("timeout", timeout, cfg.op_timeout)
+        self.retrying, attempts = _retrying(retry, cfg.retry)
+        if budget is None and cfg.op_budget is None and attempts > 1:
+            # Room for every attempt the policy allows, and the pauses between them.
+            budget = self.attempt_s * attempts + cfg.retry.max_backoff.total_seconds() * attempts
         budget_s = _seconds("budget", budget, cfg.effective_op_budget)
         self.budget_s = max(budget_s, self.attempt_s)
-        self.policy = _attempts(retry, cfg.retry)
-        if self.policy.attempts > 1 and group is not None:
+        self.may_retry = attempts != 1
+        if self.may_retry and group is not None:
             raise ConfigError(
                 "retry is supported on the default group only: a group retry rebuilds the "
                 "world group as a new generation."
@@ -117,53 +143,75 @@ class _Op:
         self,
         body: Callable[[], T],
         *,
-        signature: dict[str, Any],
+        signature: Callable[[], dict[str, Any]],
         inplace: Sequence[torch.Tensor] = (),
     ) -> T:
-        """Validate, then run ``body`` (which issues and waits), retrying as a group."""
+        """Validate, then run ``body`` (which issues and waits), retrying as a group.
+
+        ``signature`` is only called when validating (it costs tens of microseconds).
+        """
         try:
             if self.validate:
-                _validate(self, signature)
-            saved = [t.detach().clone() for t in inplace] if self.policy.attempts > 1 else []
-            attempt = 1
-            while True:
-                try:
-                    return body()
-                except _TransientError as e:
-                    cause = e.__cause__ or e
-                    if attempt >= self.policy.attempts or time.monotonic() >= self.deadline:
-                        if self.policy.attempts == 1:
-                            raise _as_final(self, cause) from cause
-                        raise RetryBudgetExhaustedError(
-                            f"{self.name}#{self.seq} failed on rank {self.rt.rank} after "
-                            f"{attempt} attempt(s) within {self.budget_s:.1f} s: {cause}",
-                            attempts=attempt,
-                            last_attempt=cause,
-                        ) from cause
-                    from .membership import regroup
-
-                    regroup(self.rt, self.name, self.seq, attempt, self.deadline)
-                    for t, s in zip(inplace, saved, strict=True):
-                        with torch.no_grad():
-                            t.copy_(s)
-                    pause = min(
-                        self.policy.backoff.total_seconds() * 2 ** (attempt - 1),
-                        self.policy.max_backoff.total_seconds(),
-                    )
-                    time.sleep(min(pause, max(0.0, self.deadline - time.monotonic())))
-                    attempt += 1
-                    self.group = None  # the rebuilt default group
+                _validate(self, signature())
+            saved = [t.detach().clone() for t in inplace] if self.may_retry else []
+            controller = self.retrying.copy(
+                stop=tenacity.stop_any(
+                    cast(tenacity.stop.stop_base, self.retrying.stop),
+                    tenacity.stop_after_delay(self.budget_s),
+                ),
+                retry=tenacity.retry_if_exception_type(_TransientError),
+                reraise=False,
+            )
+            try:
+                for attempt in controller:
+                    with attempt:
+                        n = attempt.retry_state.attempt_number
+                        if n > 1:
+                            self._redo_as_group(n - 1, inplace, saved)
+                        return body()
+            except tenacity.RetryError as e:
+                cause = e.last_attempt.exception() or e
+                final = _as_final(self, cause)
+                if not self.may_retry:
+                    raise final from cause
+                raise RetryBudgetExhaustedError(
+                    f"{self.name}#{self.seq} failed on rank {self.rt.rank} after "
+                    f"{e.last_attempt.attempt_number} attempt(s) within {self.budget_s:.1f} s: "
+                    f"{cause}",
+                    attempts=e.last_attempt.attempt_number,
+                    last_attempt=final,
+                ) from cause
+            raise AssertionError("unreachable: tenacity ends in a return or a RetryError")
         finally:
             self.rt.end_op()
 
-    def wait(self, work: Any) -> None:
+    def _redo_as_group(
+        self, attempt: int, inplace: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]
+    ) -> None:
+        """Agree with every rank on a retry, rebuild the group, restore in-place inputs."""
+        from .membership import regroup
+
+        regroup(self.rt, self.name, self.seq, attempt, self.deadline)
+        for t, s in zip(inplace, saved, strict=True):
+            with torch.no_grad():
+                t.copy_(s)
+        self.group = None  # the rebuilt default group
+
+    def wait(self, work: Any, *, cuda: bool = False) -> None:
         """Wait for backend ``work`` within the attempt timeout and the budget.
+
+        CPU (gloo) work is waited for inside the backend, slice by slice, checking between
+        slices for failures the watchdog recorded: the healthy path costs what torch's own
+        wait costs. CUDA work is waited for through its future (see :meth:`wait_pending`).
 
         Raises:
             RankFailureError: A peer crashed, raised, left or stopped responding.
             CollectiveTimeoutError: The budget ran out; names the ranks that never arrived.
             _TransientError: Every rank arrived and is alive, yet the op cannot complete.
         """
+        if not cuda:
+            self._wait_sliced(work)
+            return
         p = PendingOp(self.name, self.seq)
         self.rt.register(p)
         p.attach(work)
@@ -192,31 +240,77 @@ class _Op:
                 culprits = rt.diagnose(rt.control, self.name, self.seq)
                 if rt.failed_for(self.seq):
                     continue  # the watchdog explained it meanwhile
-                alive = all(c.get("alive", False) for c in culprits)
-                if culprits and alive and time.monotonic() < self.deadline:
-                    log.warning(
-                        "rank %d: %s#%d still waiting after %.1f s for rank(s) %s (alive); "
-                        "%.1f s of budget left",
-                        rt.rank,
-                        self.name,
-                        self.seq,
-                        time.monotonic() - self.start,
-                        [c["rank"] for c in culprits],
-                        self.deadline - time.monotonic(),
-                    )
+                if self._keep_waiting(culprits):
                     slice_end = time.monotonic() + self.attempt_s
                     continue
-                if not culprits and self.policy.attempts > 1:
+                if not culprits and self.may_retry:
                     raise _TransientError(
                         f"{self.name}#{self.seq}: every rank arrived, no progress"
                     )
-                self._timed_out(culprits, done=p.done)
+                self._timed_out(culprits)
         finally:
             rt.unregister(p)
             if not p.done or p.backend_error is not None:
                 # Never let a failed gloo work be destructed by the garbage collector: its
                 # destructor can block on a stopped peer or throw (SIGABRT) on a dead one.
                 rt.stuck.append(work)
+
+    def _wait_sliced(self, work: Any) -> None:
+        rt = self.rt
+        # A failure is noticed at the end of the current slice: keep slices short.
+        slice_s = min(rt.config.heartbeat_interval.total_seconds(), _MAX_SLICE_S)
+        slice_end = time.monotonic() + self.attempt_s
+        try:
+            while True:
+                if rt.failed_for(self.seq):
+                    raise rt.build_error(self.name, self.seq)
+                remaining = min(slice_end, self.deadline) - time.monotonic()
+                # c10d reads a timeout that rounds to 0 ms as "no timeout": wait forever.
+                if remaining >= _MIN_SLICE_S:
+                    try:
+                        work.wait(timedelta(seconds=max(_MIN_SLICE_S, min(slice_s, remaining))))
+                        return
+                    except RuntimeError as e:
+                        if not work.is_completed():
+                            continue  # this slice ran out; the op goes on (FINDINGS)
+                        if rt.failed_for(self.seq):
+                            raise rt.build_error(self.name, self.seq) from e
+                        self._explain_backend_error(e)
+                culprits = rt.diagnose(rt.control, self.name, self.seq)
+                if rt.failed_for(self.seq):
+                    continue  # the watchdog explained it meanwhile
+                if self._keep_waiting(culprits):
+                    slice_end = time.monotonic() + self.attempt_s
+                    continue
+                if not culprits and self.may_retry:
+                    raise _TransientError(
+                        f"{self.name}#{self.seq}: every rank arrived, no progress"
+                    )
+                self._timed_out(culprits)
+        finally:
+            if not work.is_completed():
+                # Never let a pending gloo work be destructed: its destructor blocks on a
+                # stopped peer (FINDINGS).
+                rt.stuck.append(work)
+
+    def _keep_waiting(self, culprits: list[dict[str, Any]]) -> bool:
+        """Whether to wait on the same handle for another attempt timeout: the late ranks
+        are all alive and budget is left."""
+        if not culprits or time.monotonic() >= self.deadline:
+            return False
+        if not all(c.get("alive", False) for c in culprits):
+            return False
+        log.warning(
+            "rank %d: %s#%d still waiting after %.1f s for rank(s) %s (alive); "
+            "%.1f s of budget left",
+            self.rt.rank,
+            self.name,
+            self.seq,
+            time.monotonic() - self.start,
+            [c["rank"] for c in culprits],
+            self.deadline - time.monotonic(),
+        )
+        return True
 
     def _explain_backend_error(self, error: BaseException) -> None:
         rt = self.rt
@@ -232,7 +326,7 @@ class _Op:
         culprits = rt.diagnose(rt.control, self.name, self.seq)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq) from error
-        if not culprits and self.policy.attempts > 1:
+        if not culprits and self.may_retry:
             raise _TransientError(str(error)) from error
         self._post_and_raise(
             RankFailureError,
@@ -242,7 +336,7 @@ class _Op:
             cls_name="failure",
         )
 
-    def _timed_out(self, culprits: list[dict[str, Any]], *, done: bool) -> None:
+    def _timed_out(self, culprits: list[dict[str, Any]]) -> None:
         waited = time.monotonic() - self.start
         self._post_and_raise(
             CollectiveTimeoutError, culprits, f"timed out after {waited:.1f} s", cause=None
@@ -284,7 +378,8 @@ class _Op:
         raise err from cause
 
 
-def _as_final(op: _Op, cause: BaseException) -> BaseException:
+def _as_final(op: _Op, cause: BaseException) -> RankFailureError:
+    """The public error for an attempt that failed with ``cause`` (never a private one)."""
     if isinstance(cause, RankFailureError):
         return cause
     return CollectiveTimeoutError(
@@ -306,7 +401,10 @@ def _validate(op: _Op, sig: dict[str, Any]) -> None:
     rt = op.rt
     h = _fingerprint(op.seq, sig)
     probe = torch.tensor([h, -h], dtype=torch.int64, device=comm_device(op.group))
-    op.wait(dist.all_reduce(probe, dist.ReduceOp.MAX, group=op.group, async_op=True))
+    op.wait(
+        dist.all_reduce(probe, dist.ReduceOp.MAX, group=op.group, async_op=True),
+        cuda=probe.is_cuda,
+    )
     if int(probe[0]) == h and int(-probe[1]) == h:
         return
     # Every rank saw the same MAX/MIN, so every rank takes this path: exchange the details.
@@ -365,7 +463,7 @@ def all_reduce(
     *,
     timeout: Duration = None,
     budget: Duration = None,
-    retry: int | RetryPolicy | None = None,
+    retry: RetryArg = None,
     validate: bool | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place, bounded in time, and return it.
@@ -378,10 +476,13 @@ def all_reduce(
             seconds; default ``config.op_timeout``).
         budget: Total time including waiting longer on alive late ranks and retries
             (default ``config.op_budget``).
-        retry: Attempts (int) or a :class:`RetryPolicy`; a retry is a group decision and
-            restores ``tensor`` to its input value first.
+        retry: Attempts (int), a :class:`RetryPolicy`, or a ``tenacity.Retrying`` whose
+            ``stop`` and ``wait`` are used (its ``retry`` predicate is replaced: only a
+            failure with every rank alive and arrived is retried). A retry is a group
+            decision and restores ``tensor`` to its input value first. With attempts and no
+            budget, the budget defaults to room for every attempt.
         validate: Check op, shape and dtype across ranks first (default
-            ``config.validate``).
+            ``config.validate_collectives``, env ``RESILIENT_DDP_VALIDATE``).
 
     Returns:
         ``tensor``, holding the reduction.
@@ -396,10 +497,12 @@ def all_reduce(
     o = _Op("all_reduce", group, timeout, budget, retry, validate)
 
     def body() -> torch.Tensor:
-        o.wait(dist.all_reduce(tensor, op, group=o.group, async_op=True))
+        o.wait(dist.all_reduce(tensor, op, group=o.group, async_op=True), cuda=tensor.is_cuda)
         return tensor
 
-    return o.run(body, signature=_sig("all_reduce", tensor, reduce=str(op)), inplace=[tensor])
+    return o.run(
+        body, signature=lambda: _sig("all_reduce", tensor, reduce=str(op)), inplace=[tensor]
+    )
 
 
 def broadcast(
@@ -409,7 +512,7 @@ def broadcast(
     *,
     timeout: Duration = None,
     budget: Duration = None,
-    retry: int | RetryPolicy | None = None,
+    retry: RetryArg = None,
     validate: bool | None = None,
 ) -> torch.Tensor:
     """Broadcast ``tensor`` from ``src`` in place, bounded in time, and return it.
@@ -419,10 +522,10 @@ def broadcast(
     o = _Op("broadcast", group, timeout, budget, retry, validate)
 
     def body() -> torch.Tensor:
-        o.wait(dist.broadcast(tensor, src, group=o.group, async_op=True))
+        o.wait(dist.broadcast(tensor, src, group=o.group, async_op=True), cuda=tensor.is_cuda)
         return tensor
 
-    return o.run(body, signature=_sig("broadcast", tensor, src=src), inplace=[tensor])
+    return o.run(body, signature=lambda: _sig("broadcast", tensor, src=src), inplace=[tensor])
 
 
 def barrier(
@@ -430,7 +533,7 @@ def barrier(
     *,
     timeout: Duration = None,
     budget: Duration = None,
-    retry: int | RetryPolicy | None = None,
+    retry: RetryArg = None,
     validate: bool | None = None,
 ) -> None:
     """Block until every rank of ``group`` reaches the barrier, bounded in time.
@@ -442,9 +545,9 @@ def barrier(
 
     def body() -> None:
         t = torch.zeros(1, device=comm_device(o.group))
-        o.wait(dist.all_reduce(t, group=o.group, async_op=True))
+        o.wait(dist.all_reduce(t, group=o.group, async_op=True), cuda=t.is_cuda)
 
-    o.run(body, signature=_sig("barrier"))
+    o.run(body, signature=lambda: _sig("barrier"))
 
 
 def all_gather(
@@ -453,7 +556,7 @@ def all_gather(
     *,
     timeout: Duration = None,
     budget: Duration = None,
-    retry: int | RetryPolicy | None = None,
+    retry: RetryArg = None,
     validate: bool | None = None,
 ) -> list[torch.Tensor]:
     """Gather ``tensor`` from every rank; shapes may differ between ranks.
@@ -471,7 +574,8 @@ def all_gather(
     """
     o = _Op("all_gather", group, timeout, budget, retry, validate)
     return o.run(
-        lambda: _gather_uneven(o, tensor), signature=_sig("all_gather", tensor.flatten()[:0])
+        lambda: _gather_uneven(o, tensor),
+        signature=lambda: _sig("all_gather", tensor.flatten()[:0]),
     )
 
 
@@ -486,15 +590,22 @@ def _gather_uneven(o: _Op, tensor: torch.Tensor) -> list[torch.Tensor]:
     meta[1] = tensor.dim()
     meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     metas = [torch.empty_like(meta) for _ in range(world)]
-    o.wait(dist.all_gather(metas, meta, group=o.group, async_op=True))
+    o.wait(dist.all_gather(metas, meta, group=o.group, async_op=True), cuda=meta.is_cuda)
     rows = [m.tolist() for m in metas]
     if any(r[0] != rows[0][0] for r in rows):
-        mine = int(meta[0])
-        odd = [i for i, r in enumerate(rows) if r[0] != mine]
+        # Every rank sees the same rows, so every rank names the same minority.
+        counts: dict[int, int] = {}
+        for r in rows:
+            counts[r[0]] = counts.get(r[0], 0) + 1
+        majority = max(sorted(counts), key=lambda fp: counts[fp])
+        odd = [i for i, r in enumerate(rows) if r[0] != majority]
         raise CollectiveMismatchError(
-            f"all_gather#{o.seq}: ranks passed tensors of different dtypes; this rank "
-            f"({o.rt.rank}) has {tensor.dtype}, rank(s) {odd} have another",
-            table={i: {"dtype_fingerprint": str(r[0])} for i, r in enumerate(rows)},
+            f"all_gather#{o.seq}: ranks passed tensors of different dtypes; rank(s) {odd} "
+            f"differ from the others (this rank, {o.rt.rank}, has {tensor.dtype})",
+            table={
+                i: {"dtype": "same as majority" if r[0] == majority else "different"}
+                for i, r in enumerate(rows)
+            },
             ranks=odd,
             op="all_gather",
             seq=o.seq,
@@ -508,7 +619,7 @@ def _gather_uneven(o: _Op, tensor: torch.Tensor) -> list[torch.Tensor]:
         flat = torch.cat([flat, flat.new_zeros(longest - flat.numel())])
     flat = flat.to(device).contiguous()
     out = [torch.empty(longest, dtype=tensor.dtype, device=device) for _ in range(world)]
-    o.wait(dist.all_gather(out, flat, group=o.group, async_op=True))
+    o.wait(dist.all_gather(out, flat, group=o.group, async_op=True), cuda=flat.is_cuda)
     return [t[:n].reshape(s).to(tensor.device) for t, n, s in zip(out, numels, shapes, strict=True)]
 
 
@@ -518,7 +629,7 @@ def all_gather_object(
     *,
     timeout: Duration = None,
     budget: Duration = None,
-    retry: int | RetryPolicy | None = None,
+    retry: RetryArg = None,
     validate: bool | None = None,
 ) -> list[Any]:
     """Gather a picklable object from every rank, bounded in time.
@@ -535,7 +646,7 @@ def all_gather_object(
         parts = _gather_uneven(o, payload)
         return [_from_bytes(p) for p in parts]
 
-    return o.run(body, signature=_sig("all_gather_object"))
+    return o.run(body, signature=lambda: _sig("all_gather_object"))
 
 
 def broadcast_object(
@@ -545,7 +656,7 @@ def broadcast_object(
     *,
     timeout: Duration = None,
     budget: Duration = None,
-    retry: int | RetryPolicy | None = None,
+    retry: RetryArg = None,
     validate: bool | None = None,
 ) -> Any:
     """Send a picklable object from ``src`` to every rank, bounded in time.
@@ -566,16 +677,16 @@ def broadcast_object(
 
     def body() -> Any:
         size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
-        o.wait(dist.broadcast(size, src, group=o.group, async_op=True))
+        o.wait(dist.broadcast(size, src, group=o.group, async_op=True), cuda=size.is_cuda)
         buf = (
             payload
             if payload is not None
             else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         )
-        o.wait(dist.broadcast(buf, src, group=o.group, async_op=True))
+        o.wait(dist.broadcast(buf, src, group=o.group, async_op=True), cuda=buf.is_cuda)
         return obj if is_src else _from_bytes(buf)
 
-    return o.run(body, signature=_sig("broadcast_object", src=src))
+    return o.run(body, signature=lambda: _sig("broadcast_object", src=src))
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:

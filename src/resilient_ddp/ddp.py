@@ -211,7 +211,15 @@ def _resilient_hook(
     )
     try:
         group = ddp.process_group if ddp.process_group is not dist.group.WORLD else None
-        op = _Op(f"ddp_bucket{bucket.index()}", group, None, None, 1, False)
+        cfg = ddp._rd_config
+        op = _Op(
+            f"ddp_bucket{bucket.index()}",
+            group,
+            cfg.op_timeout,
+            cfg.effective_op_budget,
+            1,
+            False,
+        )
     except ResilientDDPError as e:
         ddp._rd_pass_error = e
         result.set_exception(e)  # type: ignore[arg-type]  # stubs say Tensor; any exception works

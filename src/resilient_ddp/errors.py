@@ -7,9 +7,9 @@ Every failure the library detects reaches every rank as a subclass of
     ResilientDDPError
     ├── ConfigError (ValueError)          a setting is invalid
     ├── PreflightError                    ranks disagree before training starts
-    ├── ControlPlaneError                 the c10d store (control plane) is unreachable
     ├── RankFailureError                  one or more ranks crashed, raised, hung or left
-    │   └── CollectiveTimeoutError (TimeoutError)
+    │   ├── CollectiveTimeoutError (TimeoutError)
+    │   └── ControlPlaneError             the c10d store (control plane) is unreachable
     ├── CollectiveMismatchError           ranks issued different collectives
     ├── RetryBudgetExhaustedError         every allowed attempt failed
     └── SpawnError                        a process launched by ``rd.spawn`` failed
@@ -45,14 +45,6 @@ class ResilientDDPError(Exception):
 
 class ConfigError(ResilientDDPError, ValueError):
     """Raised when a setting (argument, config field or environment variable) is invalid."""
-
-
-class ControlPlaneError(ResilientDDPError):
-    """Raised when the c10d store that carries heartbeats and failure reports is unreachable.
-
-    The store must outlive every rank; when its host dies the job cannot coordinate any more
-    and this error is fatal.
-    """
 
 
 @dataclass(frozen=True)
@@ -195,6 +187,15 @@ def _rebuild_error(
     generation: int,
 ) -> RankFailureError:
     return cls(message, culprits=culprits, op=op, seq=seq, generation=generation)
+
+
+class ControlPlaneError(RankFailureError):
+    """Raised when the c10d store that carries heartbeats and failure reports is unreachable.
+
+    The store must outlive every rank; when its host dies (the launcher, torchrun's agent,
+    or rank 0 when it hosts the store) the job cannot coordinate any more and this error is
+    fatal. It is a :class:`RankFailureError`, so one ``except`` covers "the group is gone".
+    """
 
 
 class CollectiveTimeoutError(RankFailureError, TimeoutError):
