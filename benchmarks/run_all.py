@@ -253,6 +253,33 @@ def render_collectives(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+@renderer("ddp_step")
+def render_ddp_step(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    lines = [
+        f"{setup.get('world_size', '?')} ranks, gloo on CPU, MLP, batch {setup.get('batch', '?')}; "
+        "median step time (forward, backward, optimizer step) over "
+        f"{setup.get('rounds', '?')} interleaved rounds of {setup.get('steps', '?')} steps; "
+        "the ratio is the median of the per-round ratios (rank 0; rank 1 alongside).",
+        "",
+    ]
+    rows = [
+        [
+            r["model"],
+            f"{r['params'] / 1e6:.1f} M",
+            f"{r['ddp_ms']:.1f}",
+            f"{r['rd_ms']:.1f}",
+            f"{r['ratio']:.3f}",
+            f"{r['ratio_rank1']:.3f}",
+        ]
+        for r in data.get("rows", [])
+    ]
+    header = ["model", "parameters", "DDP ms", "ResilientDDP ms", "ratio", "ratio (rank 1)"]
+    lines += md_table(header, rows, align="lrrrrr")
+    lines.append("")
+    return lines
+
+
 # -- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -63,7 +63,7 @@ def inject(kind: str, sleep_s: float) -> None:
         stop_self()
 
 
-def make_model(width: int = 16, fault: FaultLayer | None = None) -> nn.Module:
+def make_model(width: int = 16, fault: nn.Module | None = None) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(8, width),
@@ -236,3 +236,46 @@ def builtin_hook_refused(rank: int) -> Any:
     finally:
         rd.destroy_process_group()
     return "accepted"
+
+
+def section_overrun(rank: int) -> Any:
+    """Rank 1 spends 3 s in a section budgeted at 1 s; the others wait in a collective."""
+    _init({"op_timeout": 30, "heartbeat_interval": 0.2, "heartbeat_timeout": 10})
+    rd.all_reduce(torch.ones(1))
+    t0 = time.monotonic()
+    try:
+        if rank == 1:
+            with rd.section("eval", budget=1.0):
+                time.sleep(3)
+        rd.all_reduce(torch.ones(1))
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+class _Slow(nn.Module):
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        return x
+
+
+def straggler(rank: int) -> Any:
+    """Rank 2 computes 60 ms longer per step: the report names it, and only it."""
+    _init({"straggler_interval": 0.2})
+    model = rd.ResilientDDP(make_model(fault=_Slow(0.06 if rank == 2 else 0.0)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(rank, 8):
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    time.sleep(0.5)  # let every heartbeat carry the latest compute times
+    report = model.straggler_report()
+    rd.barrier()
+    rd.destroy_process_group()
+    return report

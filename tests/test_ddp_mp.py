@@ -99,3 +99,23 @@ def test_builtin_comm_hook_is_refused_with_a_hint() -> None:
     values = _values(d.builtin_hook_refused, 2, ranks=[0, 1])
     for v in values.values():
         assert "HINT" in v
+
+
+def test_section_budget_overrun_is_named_on_every_rank() -> None:
+    values = _values(d.section_overrun, 3, ranks=[0, 1, 2])
+    for r in (0, 2):
+        v = values[r]
+        assert v["type"] == "RankFailureError", v
+        assert v["ranks"] == [1], v["message"]
+        assert "overran the 1.0 s budget of section 'eval'" in v["message"]
+        assert "time.sleep(3)" in v["message"]  # where rank 1's main thread was
+        assert v["elapsed"] < 1.0 + 1.5, v
+    assert values[1]["type"] == "CollectiveTimeoutError"
+    assert values[1]["ranks"] == [1]
+
+
+def test_straggler_report_names_the_slow_rank() -> None:
+    values = _values(d.straggler, 3, ranks=[0, 1, 2])
+    for report in values.values():
+        assert report["stragglers"] == [2], report
+        assert report["compute_s"][2] > report["median_s"] + 0.04

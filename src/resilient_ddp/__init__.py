@@ -5,7 +5,7 @@ Every public name is importable from here; the submodules are implementation det
 
 from __future__ import annotations
 
-from ._runtime import phase
+from ._runtime import phase, section
 from .collectives import (
     all_gather,
     all_gather_object,
@@ -61,6 +61,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "phase",
+    "section",
     "set_config",
     "spawn",
 ]

@@ -41,6 +41,7 @@ EV_CRASH = "crash"
 EV_UNRESPONSIVE = "unresponsive"
 EV_TIMEOUT = "timeout"
 EV_LEFT = "left"
+EV_SECTION = "section"  # a rank overran the budget of a section it declared
 
 
 def root_prefix(store: dist.Store) -> dist.Store:
@@ -245,6 +246,7 @@ def culprit_from(
         "seq": state.get("seq", -1),
         "step": state.get("step", -1),
         "phase": state.get("phase", ""),
+        "section": state.get("section", ""),
     }
     if "t" in state:
         c["state_age"] = round(max(0.0, time.time() - float(state["t"])), 3)

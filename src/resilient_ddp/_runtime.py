@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
@@ -29,6 +30,7 @@ from .config import ResilienceConfig
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    ConfigError,
     ControlPlaneError,
     Culprit,
     RankFailureError,
@@ -148,6 +150,8 @@ class Runtime:
         self.step = -1
         self.phase = ""
         self.section = ""
+        self.section_deadline = float("inf")  # time.monotonic() when the section's budget ends
+        self.section_budget = 0.0
         self.status = "running"
         self.compute_s = 0.0  # median local compute time of recent steps (ResilientDDP)
         self.thread_errors: list[str] = []
@@ -162,6 +166,7 @@ class Runtime:
         # until the backend's own timeout; so they are kept alive until the process exits.
         self.stuck: list[Any] = []
         self.mismatches = 0
+        self.last_straggler_report: dict[str, Any] = {}
         self.raised = False  # this rank raised a failure error: its departure is a consequence
         self.watchdog: Any = None
 
@@ -721,6 +726,66 @@ def uninstall_hooks() -> None:
     if threading.excepthook is _thread_hook and _prev_thread_hook is not None:
         threading.excepthook = _prev_thread_hook
     _hooks_installed = False
+
+
+@contextmanager
+def section(name: str, budget: timedelta | float | None = None) -> Iterator[None]:
+    """Name a part of the program; peers' errors say a rank was in it.
+
+    Args:
+        name: Shown in this rank's heartbeat and in any error naming this rank.
+        budget: Optional time limit (timedelta or seconds). When it runs out, the watchdog
+            reports this rank to every peer (with its main thread's stack): their next
+            collective raises :class:`RankFailureError` naming it, and so does this rank's
+            when the section ends (unless an exception is already propagating).
+
+    Raises:
+        RankFailureError: On exit, if the budget ran out.
+    """
+    rt = _runtime
+    if rt is None:
+        yield
+        return
+    seconds = None
+    if budget is not None:
+        seconds = budget.total_seconds() if isinstance(budget, timedelta) else float(budget)
+        if seconds <= 0:
+            raise ConfigError(f"The section budget ({budget}) must be positive.")
+    saved = (rt.section, rt.section_deadline, rt.section_budget)
+    rt.section = name
+    if seconds is not None:
+        rt.section_deadline, rt.section_budget = time.monotonic() + seconds, seconds
+    overran = False
+    try:
+        yield
+        overran = time.monotonic() > rt.section_deadline
+    finally:
+        rt.section, rt.section_deadline, rt.section_budget = saved
+    if overran:
+        rt.mark_raised()
+        culprit = Culprit(
+            rank=rt.rank,
+            host=rt.identity["host"],
+            pid=rt.identity["pid"],
+            what=f"(this rank) overran the {seconds:.1f} s budget of section {name!r}",
+            step=rt.step,
+            section=name,
+        )
+        raise CollectiveTimeoutError(
+            culprit.describe(), culprits=[culprit], op=f"section {name}", generation=rt.generation
+        )
+
+
+def straggler_report(rt: Runtime, control: ctl.ControlPlane) -> dict[str, Any]:
+    """Every rank's median step compute time and the ranks slower than the group median
+    by more than ``config.straggler_margin``. One store round trip."""
+    states = control.read_states(list(range(rt.world_size)))
+    times = {r: float(s.get("compute_s", 0.0)) for r, s in states.items()}
+    measured = sorted(t for t in times.values() if t > 0)
+    median = measured[len(measured) // 2] if measured else 0.0
+    limit = median * (1 + rt.config.straggler_margin)
+    slow = sorted(r for r, t in times.items() if median > 0 and t > limit)
+    return {"median_s": median, "compute_s": times, "stragglers": slow}
 
 
 @contextmanager

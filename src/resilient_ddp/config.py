@@ -91,6 +91,10 @@ class ResilienceConfig(_Model):
             collective and raise :class:`CollectiveMismatchError` on a difference.
         retry: Group-decision retry policy for collectives.
         stack_depth: How many innermost frames of a stuck rank's main thread are reported.
+        straggler_margin: A rank whose median step compute time exceeds the group median by
+            more than this fraction (0.3 = 30 %) on three checks in a row is reported as a
+            straggler (a warning on rank 0; never an error).
+        straggler_interval: How often rank 0 checks for stragglers (default 10 s).
     """
 
     op_timeout: timedelta = timedelta(seconds=60)
@@ -102,6 +106,8 @@ class ResilienceConfig(_Model):
     validate_collectives: bool = Field(default=False, alias="validate")
     retry: RetryPolicy = RetryPolicy()
     stack_depth: int = Field(default=8, ge=1, le=100)
+    straggler_margin: float = Field(default=0.3, ge=0.0)
+    straggler_interval: timedelta = timedelta(seconds=10)
 
     @field_validator(
         "op_timeout",
@@ -110,6 +116,7 @@ class ResilienceConfig(_Model):
         "heartbeat_timeout",
         "init_timeout",
         "diagnosis_timeout",
+        "straggler_interval",
     )
     @classmethod
     def _check_positive(cls, v: timedelta | None, info: Any) -> timedelta | None:

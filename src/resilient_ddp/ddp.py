@@ -192,6 +192,20 @@ class ResilientDDP(DistributedDataParallel):
             for t, synced in zip(same, _unflatten(flat, same), strict=True):
                 t.copy_(synced)
 
+    def straggler_report(self) -> dict[str, Any]:
+        """Every rank's median step compute time (forward + backward, before waiting on the
+        gradient reduction) and the ranks slower than the group median by more than
+        ``straggler_margin``.
+
+        Returns:
+            ``{"median_s": float, "compute_s": {rank: seconds}, "stragglers": [rank, ...]}``.
+            Reads the heartbeats (one store round trip); never raises for a slow rank.
+        """
+        rt = _runtime.current()
+        if rt is None:
+            return {"median_s": 0.0, "compute_s": {}, "stragglers": []}
+        return _runtime.straggler_report(rt, rt.control)
+
     @property
     def resilience(self) -> ResilienceConfig:
         """The config this model runs under."""

@@ -60,6 +60,7 @@ class Culprit:
         seq: Sequence number of that collective (-1 if none).
         step: Training step the rank was at (-1 if unknown).
         phase: Phase within the step (``"forward"``, ``"backward"``, ``"data"``, ...).
+        section: The user-named section (:func:`resilient_ddp.section`) it was in.
         exc_type: Qualified exception type name when the rank raised, else ``None``.
         exc_message: The exception's message when the rank raised, else ``None``.
         traceback: Summary of the exception's traceback (innermost frames last).
@@ -76,6 +77,7 @@ class Culprit:
     seq: int = -1
     step: int = -1
     phase: str = ""
+    section: str = ""
     exc_type: str | None = None
     exc_message: str | None = None
     traceback: str | None = None
@@ -90,6 +92,8 @@ class Culprit:
             doing.append(f"step {self.step}")
         if self.phase:
             doing.append(f"phase {self.phase!r}")
+        if self.section:
+            doing.append(f"section {self.section!r}")
         if self.op:
             doing.append(f"last op {self.op}#{self.seq}")
         if doing:

@@ -26,6 +26,7 @@ __all__: list[str] = []
 log = logging.getLogger("resilient_ddp")
 
 _MAX_TICK_ERRORS = 5  # consecutive unexpected errors before the watchdog stops
+_STRAGGLER_STREAK = 3  # slow checks in a row before a rank is reported as a straggler
 
 
 class Watchdog(threading.Thread):
@@ -48,6 +49,10 @@ class Watchdog(threading.Thread):
         self.watched = sorted({(rank + k) % world for k in (1, 2)} - {rank})
         self.local_peers = [r for r in range(world) if r != rank and runtime.is_local(r)]
         self.aborted = False
+        self._section_reported = False
+        self._straggler_every = runtime.config.straggler_interval.total_seconds()
+        self._next_straggler_check = time.monotonic() + self._straggler_every
+        self._slow_streak: dict[int, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     def stop(self, timeout: float | None = None) -> None:
@@ -105,6 +110,9 @@ class Watchdog(threading.Thread):
             self.control.publish_state(rt.rank, self._state(with_stack=True))
         self._check_heartbeats(states)
         self._check_local_processes()
+        self._check_section()
+        if rt.rank == 0 and time.monotonic() >= self._next_straggler_check:
+            self._check_stragglers()
 
     def _state(self, *, with_stack: bool = False) -> dict[str, Any]:
         state = self.rt.snapshot(self._beat)
@@ -130,6 +138,54 @@ class Watchdog(threading.Thread):
                 what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silent:.1f} s"
             self._report(ctl.EV_UNRESPONSIVE, r, what, s)
             self._last_change[r] = (beat, float("inf"))  # report once
+
+    def _check_section(self) -> None:
+        rt = self.rt
+        if time.monotonic() <= rt.section_deadline:
+            self._section_reported = False
+            return
+        if self._section_reported:
+            return
+        self._section_reported = True
+        what = f"overran the {rt.section_budget:.1f} s budget of section {rt.section!r}"
+        state = self._state(with_stack=True)
+        culprit = ctl.culprit_from(
+            rt.rank, what=what, info=rt.identity, state=state, stack=state["stack"]
+        )
+        log.warning("rank %d: %s", rt.rank, what)
+        self.control.post_event(
+            {
+                "kind": ctl.EV_SECTION,
+                "rank": rt.rank,
+                "reporter": rt.rank,
+                "gen": rt.generation,
+                "t": time.time(),
+                "culprit": culprit,
+            }
+        )
+        self.poke()
+
+    def _check_stragglers(self) -> None:
+        """Rank 0: warn (once per episode) about a rank slower than the group median by more
+        than the margin on three checks in a row. Never an error."""
+        from ._runtime import straggler_report
+
+        self._next_straggler_check = time.monotonic() + self._straggler_every
+        report = straggler_report(self.rt, self.control)
+        self.rt.last_straggler_report = report
+        for r in range(self.rt.world_size):
+            streak = self._slow_streak.get(r, 0) + 1 if r in report["stragglers"] else 0
+            self._slow_streak[r] = streak
+            if streak == _STRAGGLER_STREAK:
+                log.warning(
+                    "rank %d is a straggler: median step compute %.1f ms vs %.1f ms for the "
+                    "group (more than %d%% slower on %d checks in a row)",
+                    r,
+                    1000 * report["compute_s"][r],
+                    1000 * report["median_s"],
+                    round(100 * self.rt.config.straggler_margin),
+                    streak,
+                )
 
     def _check_local_processes(self) -> None:
         for r in self.local_peers:

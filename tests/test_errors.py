@@ -1,0 +1,85 @@
+"""The exception tree: types, attributes, and survival across process boundaries."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import resilient_ddp as rd
+
+
+def _roundtrip(obj: object) -> object:
+    """Pickle and unpickle, as rd.spawn does to send a rank's error to the launcher."""
+    return pickle.loads(pickle.dumps(obj))  # noqa: S301 - our own bytes
+
+
+def _culprit() -> rd.Culprit:
+    return rd.Culprit(
+        rank=2,
+        host="h2",
+        pid=42,
+        what="raised ValueError",
+        op="all_reduce",
+        seq=7,
+        step=3,
+        phase="backward",
+        exc_type="ValueError",
+        exc_message="boom",
+        traceback='  File "t.py", line 1, in f',
+    )
+
+
+def test_tree() -> None:
+    assert issubclass(rd.CollectiveTimeoutError, rd.RankFailureError)
+    assert issubclass(rd.CollectiveTimeoutError, TimeoutError)
+    assert issubclass(rd.ControlPlaneError, rd.RankFailureError)
+    assert issubclass(rd.ConfigError, ValueError)
+    for cls in (
+        rd.RankFailureError,
+        rd.CollectiveMismatchError,
+        rd.PreflightError,
+        rd.RetryBudgetExhaustedError,
+        rd.SpawnError,
+        rd.ConfigError,
+    ):
+        assert issubclass(cls, rd.ResilientDDPError)
+
+
+def test_rank_failure_attributes_and_pickle() -> None:
+    err = rd.CollectiveTimeoutError("msg", culprits=[_culprit()], op="all_reduce", seq=7)
+    copy = _roundtrip(err)
+    assert type(copy) is rd.CollectiveTimeoutError
+    assert copy.ranks == (2,)
+    assert copy.hosts == ("h2",)
+    assert (copy.op, copy.seq, copy.generation) == ("all_reduce", 7, 0)
+    assert (copy.exc_type, copy.exc_message) == ("ValueError", "boom")
+    assert "line 1" in (copy.traceback or "")
+
+
+def test_describe_names_what_the_culprit_was_doing() -> None:
+    text = _culprit().describe()
+    assert "rank 2 (host h2, pid 42) raised ValueError" in text
+    assert "step 3" in text
+    assert "phase 'backward'" in text
+    assert "last op all_reduce#7" in text
+    assert "ValueError: boom" in text
+
+
+def test_mismatch_and_preflight_pickle() -> None:
+    mm = rd.CollectiveMismatchError("m", table={1: {"shape": "(5,)"}}, ranks=[1], op="x", seq=3)
+    assert _roundtrip(mm).table == {1: {"shape": "(5,)"}}
+    pf = rd.PreflightError("p", problems=["rank 1: x"], table={0: {"torch": "2.13"}})
+    copy = _roundtrip(pf)
+    assert copy.problems == ("rank 1: x",)
+    assert copy.table == {0: {"torch": "2.13"}}
+
+
+def test_retry_budget_keeps_last_attempt() -> None:
+    last = rd.CollectiveTimeoutError("late")
+    err = rd.RetryBudgetExhaustedError("gave up", attempts=3, last_attempt=last)
+    assert err.attempts == 3
+    assert err.last_attempt is last
+    with pytest.raises(rd.CollectiveTimeoutError) as info:
+        err.reraise()
+    assert info.value is last
