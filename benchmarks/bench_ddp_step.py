@@ -1,11 +1,12 @@
 """Step time of ``ResilientDDP`` over plain ``DistributedDataParallel`` (2 ranks, gloo, CPU).
 
-One process group trains two copies of the same MLP, one wrapped in DDP and one in
-ResilientDDP, with the same data, interleaved in rounds (the order alternates) so that
-machine noise hits both equally. Each round times a block of steps (forward, backward,
-optimizer step) for each wrapper; the ratio is the median over rounds of the per-round
-ratio of median step times. Target (issue 3): at most 1.03 for a model of 10 M parameters
-or more.
+One process group trains three copies of the same MLP with the same data: plain DDP (its
+C++ all-reduce), DDP with torch's own Python ``allreduce_hook`` (the path every Python comm
+hook takes; a reference), and ResilientDDP. They run interleaved in rounds (the order
+alternates) so that machine noise hits all equally. Each round times a block of steps
+(forward, backward, optimizer step) for each; the ratio is the median over rounds of the
+per-round ratio of median step times. Target (issue 3): at most 1.03 for a model of 10 M
+parameters or more.
 
 Usage::
 
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from bench_collectives import machine_info  # the same machine description for every bench
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import resilient_ddp as rd
@@ -61,8 +63,11 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> floa
 def _measure(rank: int, width: int, layers: int, plan: dict[str, Any]) -> dict[str, Any]:
     models = {
         "ddp": DistributedDataParallel(_mlp(width, layers)),
+        "pyhook": DistributedDataParallel(_mlp(width, layers)),
         "rd": rd.ResilientDDP(_mlp(width, layers)),
     }
+    # Reference: DDP with torch's own Python comm hook, the path any Python hook takes.
+    models["pyhook"].register_comm_hook(None, default_hooks.allreduce_hook)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
     x = torch.randn(plan["batch"], width, generator=torch.Generator().manual_seed(rank))
     for kind, model in models.items():  # warm-up: buckets are rebuilt after the first step
@@ -70,7 +75,7 @@ def _measure(rank: int, width: int, layers: int, plan: dict[str, Any]) -> dict[s
             _step(model, opts[kind], x)
     rounds: list[dict[str, float]] = []
     for r in range(plan["rounds"]):
-        order = ["ddp", "rd"] if r % 2 == 0 else ["rd", "ddp"]
+        order = ["ddp", "pyhook", "rd"] if r % 2 == 0 else ["rd", "pyhook", "ddp"]
         rounds.append(
             {
                 k: statistics.median(_step(models[k], opts[k], x) for _ in range(plan["steps"]))
@@ -81,7 +86,10 @@ def _measure(rank: int, width: int, layers: int, plan: dict[str, Any]) -> dict[s
         "params": sum(p.numel() for p in models["ddp"].parameters()),
         "ddp_ms": 1000 * statistics.median(r["ddp"] for r in rounds),
         "rd_ms": 1000 * statistics.median(r["rd"] for r in rounds),
+        "pyhook_ms": 1000 * statistics.median(r["pyhook"] for r in rounds),
         "ratio": statistics.median(r["rd"] / r["ddp"] for r in rounds),
+        "ratio_pyhook": statistics.median(r["pyhook"] / r["ddp"] for r in rounds),
+        "ratio_vs_pyhook": statistics.median(r["rd"] / r["pyhook"] for r in rounds),
         "rounds": plan["rounds"],
         "steps_per_round": plan["steps"],
     }
@@ -118,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"model": label, **r0, "ratio_rank1": per_rank[1][label]["ratio"]})
         print(
             f"  {label:>4} ({r0['params'] / 1e6:5.1f} M params): DDP {r0['ddp_ms']:8.1f} ms  "
-            f"ResilientDDP {r0['rd_ms']:8.1f} ms  ratio {r0['ratio']:.3f}",
+            f"DDP+python hook {r0['pyhook_ms']:8.1f} ms  ResilientDDP {r0['rd_ms']:8.1f} ms  "
+            f"ratio {r0['ratio']:.3f} (python hook {r0['ratio_pyhook']:.3f})",
             flush=True,
         )
     big = [r for r in rows if r["params"] >= 10_000_000]

@@ -268,14 +268,27 @@ def render_ddp_step(data: dict[str, Any]) -> list[str]:
             r["model"],
             f"{r['params'] / 1e6:.1f} M",
             f"{r['ddp_ms']:.1f}",
+            f"{r.get('pyhook_ms', float('nan')):.1f}",
             f"{r['rd_ms']:.1f}",
             f"{r['ratio']:.3f}",
             f"{r['ratio_rank1']:.3f}",
+            f"{r.get('ratio_pyhook', float('nan')):.3f}",
+            f"{r.get('ratio_vs_pyhook', float('nan')):.3f}",
         ]
         for r in data.get("rows", [])
     ]
-    header = ["model", "parameters", "DDP ms", "ResilientDDP ms", "ratio", "ratio (rank 1)"]
-    lines += md_table(header, rows, align="lrrrrr")
+    header = [
+        "model",
+        "parameters",
+        "DDP ms",
+        "DDP + Python hook ms",
+        "ResilientDDP ms",
+        "ResilientDDP / DDP",
+        "(rank 1)",
+        "Python hook / DDP",
+        "ResilientDDP / Python hook",
+    ]
+    lines += md_table(header, rows, align="lrrrrrrrr")
     lines.append("")
     return lines
 

@@ -251,7 +251,7 @@ def torchrun_main() -> None:
     result: Any = {"value": run_op("all_reduce", rank)}
     if rank == 2:
         with rd.phase("data"):
-            slow_data_loader(30)
+            slow_data_loader(6)
     t0 = time.monotonic()
     try:
         run_op("all_reduce", rank)

@@ -35,7 +35,7 @@ def test_validate_alias_and_frozen() -> None:
     ("kwargs", "words"),
     [
         ({"op_timeout": -1}, ["op_timeout", "must be positive"]),
-        ({"op_timeout": 0.0001}, ["op_timeout", "at least 1 ms"]),
+        ({"op_timeout": 0.001}, ["op_timeout", "at least 2 ms"]),
         ({"heartbeat_timeout": 0.1}, ["heartbeat_timeout", "heartbeat_interval"]),
         ({"op_timeout": 10, "op_budget": 5}, ["op_budget", "at least op_timeout"]),
         ({"retry": {"attempts": 0}}, ["attempts", "greater than or equal to 1"]),

@@ -226,14 +226,14 @@ class Runtime:
 
     def record_events(self, events: Sequence[dict[str, Any]]) -> None:
         """Take failure reports read from the store and wake the ops they doom."""
-        woke = False
+        woke = doomed = False
         with self.lock:
             for ev in events:
                 kind = ev["kind"]
                 if kind == ctl.EV_LEFT:
                     if ev["rank"] != self.rank:
                         self.left[ev["rank"]] = ev
-                        woke = True
+                        doomed = True
                     continue
                 if ev.get("secondary"):
                     continue
@@ -246,7 +246,9 @@ class Runtime:
                 self.failures.append(ev)
                 woke = True
         if woke:
-            arm_exit_guard()
+            arm_exit_guard()  # a departure alone does not: it may be the job's normal end
+        woke = woke or doomed
+        with self.lock:
             pending = list(self.pending)
         if woke:
             for p in pending:
@@ -762,6 +764,8 @@ def section(name: str, budget: timedelta | float | None = None) -> Iterator[None
     finally:
         rt.section, rt.section_deadline, rt.section_budget = saved
     if overran:
+        if rt.watchdog is not None:
+            rt.watchdog.report_section_overrun(name, seconds or 0.0)
         rt.mark_raised()
         culprit = Culprit(
             rank=rt.rank,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import _control as ctl
 from ._backend import comm_device
 from ._runtime import PendingOp
-from .config import RetryPolicy
+from .config import SHORTEST_TIMEOUT, RetryPolicy
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -59,7 +59,7 @@ T = TypeVar("T")
 Duration = timedelta | float | int | None
 _MAX_NDIM = 16
 _MAX_SLICE_S = 0.25  # longest backend wait between two checks for recorded failures
-_MIN_SLICE_S = 0.002  # shorter timeouts round to 0 ms, which c10d takes as "forever"
+_MIN_SLICE_S = SHORTEST_TIMEOUT.total_seconds()  # below: c10d's 0 ms, i.e. "forever"
 
 
 class _TransientError(Exception):
@@ -80,28 +80,37 @@ def _seconds(name: str, value: Duration, default: timedelta) -> float:
 RetryArg = int | RetryPolicy | tenacity.Retrying | None
 
 
-def _retrying(retry: RetryArg, default: RetryPolicy) -> tuple[tenacity.Retrying, int]:
-    """A tenacity controller for ``retry`` and the number of attempts it allows (0 when a
-    user's own ``tenacity.Retrying`` decides)."""
-    if isinstance(retry, tenacity.Retrying):
-        return retry, 0
+def _policy(retry: RetryArg, default: RetryPolicy) -> RetryPolicy | tenacity.Retrying:
     if retry is None:
-        policy = default
-    elif isinstance(retry, RetryPolicy):
-        policy = retry
-    elif isinstance(retry, int) and not isinstance(retry, bool):
-        policy = RetryPolicy(attempts=retry)
-    else:
-        raise ConfigError(
-            f"retry should be an int, a RetryPolicy or a tenacity.Retrying, but given {retry!r}"
-        )
-    controller = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(policy.attempts),
-        wait=tenacity.wait_exponential(
-            multiplier=policy.backoff.total_seconds(), max=policy.max_backoff.total_seconds()
-        ),
+        return default
+    if isinstance(retry, (RetryPolicy, tenacity.Retrying)):
+        return retry
+    if isinstance(retry, int) and not isinstance(retry, bool):
+        return default if retry == default.attempts else RetryPolicy(attempts=retry)
+    raise ConfigError(
+        f"retry should be an int, a RetryPolicy or a tenacity.Retrying, but given {retry!r}"
     )
-    return controller, policy.attempts
+
+
+def _retries(policy: RetryPolicy | tenacity.Retrying, budget_s: float) -> tenacity.Retrying:
+    """The tenacity controller of the attempts after the first (built only when the first
+    attempt failed transiently): the policy's stop and wait, within the budget."""
+    if isinstance(policy, RetryPolicy):
+        base = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(policy.attempts - 1),
+            wait=tenacity.wait_exponential(
+                multiplier=policy.backoff.total_seconds(), max=policy.max_backoff.total_seconds()
+            ),
+        )
+    else:
+        base = policy
+    return base.copy(
+        stop=tenacity.stop_any(
+            cast(tenacity.stop.stop_base, base.stop), tenacity.stop_after_delay(budget_s)
+        ),
+        retry=tenacity.retry_if_exception_type(_TransientError),
+        reraise=False,
+    )
 
 
 class _Op:
@@ -122,10 +131,14 @@ class _Op:
         self.name = name
         self.group = group
         self.attempt_s = _seconds("timeout", timeout, cfg.op_timeout)
-        self.retrying, attempts = _retrying(retry, cfg.retry)
+        if retry is None and group is not None:
+            retry = 1  # the config's retry policy applies to the default group only
+        self.policy = _policy(retry, cfg.retry)
+        attempts = self.policy.attempts if isinstance(self.policy, RetryPolicy) else 0
         if budget is None and cfg.op_budget is None and attempts > 1:
             # Room for every attempt the policy allows, and the pauses between them.
-            budget = self.attempt_s * attempts + cfg.retry.max_backoff.total_seconds() * attempts
+            assert isinstance(self.policy, RetryPolicy)
+            budget = (self.attempt_s + self.policy.max_backoff.total_seconds()) * attempts
         budget_s = _seconds("budget", budget, cfg.effective_op_budget)
         self.budget_s = max(budget_s, self.attempt_s)
         self.may_retry = attempts != 1
@@ -154,34 +167,31 @@ class _Op:
             if self.validate:
                 _validate(self, signature())
             saved = [t.detach().clone() for t in inplace] if self.may_retry else []
-            controller = self.retrying.copy(
-                stop=tenacity.stop_any(
-                    cast(tenacity.stop.stop_base, self.retrying.stop),
-                    tenacity.stop_after_delay(self.budget_s),
-                ),
-                retry=tenacity.retry_if_exception_type(_TransientError),
-                reraise=False,
-            )
             try:
-                for attempt in controller:
+                return body()  # the healthy path: no retry machinery at all
+            except _TransientError as e:
+                first: BaseException = e.__cause__ or e
+                if not self.may_retry:
+                    raise _as_final(self, first) from first
+            attempts = 1
+            last = first
+            try:
+                remaining = max(0.0, self.deadline - time.monotonic())
+                for attempt in _retries(self.policy, remaining):
                     with attempt:
-                        n = attempt.retry_state.attempt_number
-                        if n > 1:
-                            self._redo_as_group(n - 1, inplace, saved)
+                        attempts = attempt.retry_state.attempt_number + 1
+                        self._redo_as_group(attempts - 1, inplace, saved)
                         return body()
             except tenacity.RetryError as e:
-                cause = e.last_attempt.exception() or e
-                final = _as_final(self, cause)
-                if not self.may_retry:
-                    raise final from cause
-                raise RetryBudgetExhaustedError(
-                    f"{self.name}#{self.seq} failed on rank {self.rt.rank} after "
-                    f"{e.last_attempt.attempt_number} attempt(s) within {self.budget_s:.1f} s: "
-                    f"{cause}",
-                    attempts=e.last_attempt.attempt_number,
-                    last_attempt=final,
-                ) from cause
-            raise AssertionError("unreachable: tenacity ends in a return or a RetryError")
+                last = e.last_attempt.exception() or e
+            final = _as_final(self, last)
+            self.rt.mark_raised()
+            raise RetryBudgetExhaustedError(
+                f"{self.name}#{self.seq} failed on rank {self.rt.rank} after {attempts} "
+                f"attempt(s) within {self.budget_s:.1f} s: {last}",
+                attempts=attempts,
+                last_attempt=final,
+            ) from final
         finally:
             self.rt.end_op()
 
@@ -191,6 +201,8 @@ class _Op:
         """Agree with every rank on a retry, rebuild the group, restore in-place inputs."""
         from .membership import regroup
 
+        if time.monotonic() >= self.deadline:
+            raise _TransientError(f"{self.name}#{self.seq}: no budget left for another attempt")
         regroup(self.rt, self.name, self.seq, attempt, self.deadline)
         for t, s in zip(inplace, saved, strict=True):
             with torch.no_grad():

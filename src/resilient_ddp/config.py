@@ -23,15 +23,15 @@ _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|
 _UNIT_SECONDS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
-# c10d reads a timeout that rounds down to 0 ms as "no timeout at all".
-_SHORTEST = timedelta(milliseconds=1)
+# c10d reads a timeout that rounds down to 0 ms as "no timeout at all"; keep a margin.
+SHORTEST_TIMEOUT = timedelta(milliseconds=2)
 
 
 def _positive(name: str, value: timedelta) -> timedelta:
     if value <= timedelta(0):
         raise ValueError(f"The {name} ({value}) must be positive.")
-    if value < _SHORTEST:
-        raise ValueError(f"The {name} ({value}) must be at least 1 ms.")
+    if value < SHORTEST_TIMEOUT:
+        raise ValueError(f"The {name} ({value}) must be at least 2 ms.")
     return value
 
 

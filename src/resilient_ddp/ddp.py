@@ -82,7 +82,7 @@ class ResilientDDP(DistributedDataParallel):
         rt = ensure_runtime(resilience)
         self._rd_config = resilience if resilience is not None else rt.config
         group = kwargs.get("process_group")
-        _check_agreement(rt, module, args, kwargs, group)
+        _check_agreement(rt, self._rd_config, module, args, kwargs, group)
         # Buffers are broadcast in forward by our bounded broadcast (see
         # _default_broadcast_coalesced), so DDP keeps its own switch.
         super().__init__(module, *args, **kwargs)
@@ -188,7 +188,14 @@ class ResilientDDP(DistributedDataParallel):
         group = self.process_group if self.process_group is not dist.group.WORLD else None
         for same in by_dtype.values():
             flat = _flatten(same)
-            broadcast(flat, src=authoritative_rank, group=group, validate=False)
+            broadcast(
+                flat,
+                src=authoritative_rank,
+                group=group,
+                timeout=self._rd_config.op_timeout,
+                budget=self._rd_config.effective_op_budget,
+                validate=False,
+            )
             for t, synced in zip(same, _unflatten(flat, same), strict=True):
                 t.copy_(synced)
 
@@ -323,11 +330,15 @@ def _environment(rt: Runtime, module: nn.Module, args: Any, kwargs: Any) -> dict
     }
 
 
-def _check_agreement(rt: Runtime, module: nn.Module, args: Any, kwargs: Any, group: Any) -> None:
+def _check_agreement(
+    rt: Runtime, cfg: ResilienceConfig, module: nn.Module, args: Any, kwargs: Any, group: Any
+) -> None:
     params = _param_table(module)
     digest = hashlib.blake2b(repr(params).encode(), digest_size=8).hexdigest()
     mine = {"env": _environment(rt, module, args, kwargs), "digest": digest, "params": params}
-    rows = all_gather_object(mine, group=group, validate=False)
+    rows = all_gather_object(
+        mine, group=group, timeout=cfg.op_timeout, budget=cfg.effective_op_budget, validate=False
+    )
     problems: list[str] = []
     table: dict[int, dict[str, str]] = {}
     for r, row in enumerate(rows):

@@ -288,7 +288,8 @@ class RetryBudgetExhaustedError(ResilientDDPError):
 
     Attributes:
         attempts: Number of attempts made.
-        last_attempt: The exception of the last attempt (also ``__cause__``).
+        last_attempt: The last attempt's error, always a :class:`RankFailureError` (also
+            ``__cause__``).
     """
 
     def __init__(self, message: str, *, attempts: int, last_attempt: BaseException) -> None:

@@ -50,6 +50,7 @@ class Watchdog(threading.Thread):
         self.local_peers = [r for r in range(world) if r != rank and runtime.is_local(r)]
         self.aborted = False
         self._section_reported = False
+        self._section_lock = threading.Lock()
         self._straggler_every = runtime.config.straggler_interval.total_seconds()
         self._next_straggler_check = time.monotonic() + self._straggler_every
         self._slow_streak: dict[int, int] = {}
@@ -144,10 +145,16 @@ class Watchdog(threading.Thread):
         if time.monotonic() <= rt.section_deadline:
             self._section_reported = False
             return
-        if self._section_reported:
-            return
-        self._section_reported = True
-        what = f"overran the {rt.section_budget:.1f} s budget of section {rt.section!r}"
+        self.report_section_overrun(rt.section, rt.section_budget)
+
+    def report_section_overrun(self, name: str, budget: float) -> None:
+        """Tell every peer this rank overran section ``name`` (once; from either thread)."""
+        rt = self.rt
+        with self._section_lock:
+            if self._section_reported:
+                return
+            self._section_reported = True
+        what = f"overran the {budget:.1f} s budget of section {name!r}"
         state = self._state(with_stack=True)
         culprit = ctl.culprit_from(
             rt.rank, what=what, info=rt.identity, state=state, stack=state["stack"]
