@@ -249,7 +249,18 @@ def render_collectives(data: dict[str, Any]) -> list[str]:
         "ops timed",
     ]
     lines += md_table(header, rows, align="lrrrrrrrr")
-    lines.append("")
+    lines += [
+        "",
+        "Reading these figures: on CPU tensors `rd.all_reduce` waits inside gloo in slices "
+        "(at most 0.25 s) and checks for recorded failures between them, so a healthy op "
+        "costs the Python bookkeeping only (tens of µs). The rows at 1 MiB and above move "
+        "by ±20 % from run to run on this shared 2-core machine (the 1 MiB ratio was 0.91, "
+        '1.15 and 1.21 in three consecutive runs); read them as "within noise". Validation '
+        "is one extra one-element collective before the op, so it costs one small-op round "
+        "trip: two raw collectives are already ~2.5x one at 4 B, which is why the 2x target "
+        "is out of reach for this design (a fused check is noted as future work).",
+        "",
+    ]
     return lines
 
 
@@ -289,7 +300,16 @@ def render_ddp_step(data: dict[str, Any]) -> list[str]:
         "ResilientDDP / Python hook",
     ]
     lines += md_table(header, rows, align="lrrrrrrrr")
-    lines.append("")
+    lines += [
+        "",
+        "Reading these figures: ResilientDDP reduces gradients through a Python comm hook "
+        "(a library-owned future per bucket, so that a dead peer fails `backward()` "
+        "promptly). It costs what torch's own Python `allreduce_hook` costs (last column: "
+        "0.95-1.03), i.e. one Python callback per bucket; the gap to DDP's C++ default path "
+        "is that of any Python hook and is within the run-to-run noise for the 50 M model. "
+        "The 1.03 target against the C++ path is not met at 10 M parameters on this machine.",
+        "",
+    ]
     return lines
 
 
