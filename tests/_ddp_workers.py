@@ -98,6 +98,19 @@ def _train(model: nn.Module, data: Any, accumulate: int = 1) -> list[torch.Tenso
     return [t.detach().clone() for t in model.state_dict().values()]
 
 
+def _train_amp(model: nn.Module, data: Any) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
 def parity(rank: int, mode: str, tmp: str) -> Any:
     """Train ResilientDDP and plain DDP on the same data; report whether they agree."""
     _init()
@@ -124,6 +137,10 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
             a = _train(m1, uneven)
         with m2.join():
             b = _train(m2, uneven)
+    elif mode == "amp":
+        # torch.autocast and GradScaler are used exactly as with DDP.
+        a = _train_amp(rd.ResilientDDP(make_model()), data)
+        b = _train_amp(DistributedDataParallel(make_model()), data)
     elif mode == "hook":
         m1, m2 = (
             rd.ResilientDDP(make_model()),

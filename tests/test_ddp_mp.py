@@ -25,7 +25,7 @@ def _values(fn: Any, world: int, *args: Any, ranks: list[int], grace: float = 10
     return {r: outcomes[r].value for r in ranks}
 
 
-@pytest.mark.parametrize("mode", ["plain", "no_sync", "join", "hook", "checkpoint"])
+@pytest.mark.parametrize("mode", ["plain", "no_sync", "join", "hook", "amp", "checkpoint"])
 def test_bitwise_parity_with_ddp(mode: str, tmp_path: Path) -> None:
     values = _values(d.parity, 3, mode, str(tmp_path), ranks=[0, 1, 2])
     for r, v in values.items():
