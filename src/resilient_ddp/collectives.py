@@ -25,7 +25,7 @@ import pickle
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import tenacity
 import torch
@@ -249,17 +249,7 @@ class _Op:
                 now = time.monotonic()
                 if now < slice_end and now < self.deadline:
                     continue  # spurious wake-up
-                culprits = rt.diagnose(rt.control, self.name, self.seq)
-                if rt.failed_for(self.seq):
-                    continue  # the watchdog explained it meanwhile
-                if self._keep_waiting(culprits):
-                    slice_end = time.monotonic() + self.attempt_s
-                    continue
-                if not culprits and self.may_retry:
-                    raise _TransientError(
-                        f"{self.name}#{self.seq}: every rank arrived, no progress"
-                    )
-                self._timed_out(culprits)
+                slice_end = self._attempt_timed_out()
         finally:
             rt.unregister(p)
             if not p.done or p.backend_error is not None:
@@ -288,22 +278,34 @@ class _Op:
                         if rt.failed_for(self.seq):
                             raise rt.build_error(self.name, self.seq) from e
                         self._explain_backend_error(e)
-                culprits = rt.diagnose(rt.control, self.name, self.seq)
-                if rt.failed_for(self.seq):
-                    continue  # the watchdog explained it meanwhile
-                if self._keep_waiting(culprits):
-                    slice_end = time.monotonic() + self.attempt_s
-                    continue
-                if not culprits and self.may_retry:
-                    raise _TransientError(
-                        f"{self.name}#{self.seq}: every rank arrived, no progress"
-                    )
-                self._timed_out(culprits)
+                slice_end = self._attempt_timed_out()
         finally:
             if not work.is_completed():
                 # Never let a pending gloo work be destructed: its destructor blocks on a
                 # stopped peer (FINDINGS).
                 rt.stuck.append(work)
+
+    def _attempt_timed_out(self) -> float:
+        """One attempt's timeout passed: diagnose the late ranks.
+
+        Returns:
+            The end of the next attempt, when every late rank is alive and budget is left:
+            the caller keeps waiting on the same handle.
+
+        Raises:
+            RankFailureError: The watchdog recorded a failure meanwhile.
+            CollectiveTimeoutError: The budget ran out, or a late rank is not alive.
+            _TransientError: Every rank arrived, yet the op does not complete.
+        """
+        rt = self.rt
+        culprits = rt.diagnose(rt.control, self.name, self.seq)
+        if rt.failed_for(self.seq):
+            raise rt.build_error(self.name, self.seq)
+        if self._keep_waiting(culprits):
+            return time.monotonic() + self.attempt_s
+        if not culprits and self.may_retry:
+            raise _TransientError(f"{self.name}#{self.seq}: every rank arrived, no progress")
+        return self._timed_out(culprits)  # raises
 
     def _keep_waiting(self, culprits: list[dict[str, Any]]) -> bool:
         """Whether to wait on the same handle for another attempt timeout: the late ranks
@@ -348,7 +350,7 @@ class _Op:
             cls_name="failure",
         )
 
-    def _timed_out(self, culprits: list[dict[str, Any]]) -> None:
+    def _timed_out(self, culprits: list[dict[str, Any]]) -> NoReturn:
         waited = time.monotonic() - self.start
         self._post_and_raise(
             CollectiveTimeoutError, culprits, f"timed out after {waited:.1f} s", cause=None
@@ -362,7 +364,7 @@ class _Op:
         *,
         cause: BaseException | None,
         cls_name: str = "timeout",
-    ) -> None:
+    ) -> NoReturn:
         rt = self.rt
         rt.mark_raised()
         waited = time.monotonic() - self.start
