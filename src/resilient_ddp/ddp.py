@@ -198,6 +198,9 @@ class ResilientDDP(DistributedDataParallel):
             )
             for t, synced in zip(same, _unflatten(flat, same), strict=True):
                 t.copy_(synced)
+        # Waiting for the others in this broadcast is not this rank's compute: start the
+        # straggler clock after it (under DDP a slow rank makes everyone wait here).
+        self._rd_compute_start = time.monotonic()
 
     def straggler_report(self) -> dict[str, Any]:
         """Every rank's median step compute time (forward + backward, before waiting on the
