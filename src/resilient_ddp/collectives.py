@@ -92,22 +92,39 @@ def _policy(retry: RetryArg, default: RetryPolicy) -> RetryPolicy | tenacity.Ret
     )
 
 
+def _counting_first(fn: Any) -> Any:
+    """Show a tenacity ``stop``/``wait`` the attempt count including the first attempt,
+    which ran before tenacity took over (only redos run under tenacity)."""
+
+    def shifted(state: tenacity.RetryCallState) -> Any:
+        state.attempt_number += 1
+        try:
+            return fn(state)
+        finally:
+            state.attempt_number -= 1
+
+    return shifted
+
+
 def _retries(policy: RetryPolicy | tenacity.Retrying, budget_s: float) -> tenacity.Retrying:
-    """The tenacity controller of the attempts after the first (built only when the first
-    attempt failed transiently): the policy's stop and wait, within the budget."""
+    """The tenacity controller of the redos (built only when the first attempt failed
+    transiently): the policy's stop and wait, counted from the first attempt, within the
+    budget. The pause before attempt ``k + 1`` is ``min(backoff * 2**(k - 1), max_backoff)``
+    for a :class:`RetryPolicy`."""
     if isinstance(policy, RetryPolicy):
-        base = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(policy.attempts - 1),
-            wait=tenacity.wait_exponential(
-                multiplier=policy.backoff.total_seconds(), max=policy.max_backoff.total_seconds()
-            ),
+        stop: Any = tenacity.stop_after_attempt(policy.attempts)
+        wait: Any = tenacity.wait_exponential(
+            multiplier=policy.backoff.total_seconds(), max=policy.max_backoff.total_seconds()
         )
+        base = tenacity.Retrying()
     else:
-        base = policy
+        stop, wait, base = policy.stop, policy.wait, policy
     return base.copy(
         stop=tenacity.stop_any(
-            cast(tenacity.stop.stop_base, base.stop), tenacity.stop_after_delay(budget_s)
+            cast(tenacity.stop.stop_base, _counting_first(stop)),
+            tenacity.stop_after_delay(budget_s),
         ),
+        wait=_counting_first(wait),
         retry=tenacity.retry_if_exception_type(_TransientError),
         reraise=False,
     )
@@ -201,6 +218,10 @@ class _Op:
         """Agree with every rank on a retry, rebuild the group, restore in-place inputs."""
         from .membership import regroup
 
+        if attempt == 1 and isinstance(self.policy, RetryPolicy):
+            # tenacity pauses between redos; the pause before the first one is ours.
+            pause = min(self.policy.backoff, self.policy.max_backoff).total_seconds()
+            time.sleep(min(pause, max(0.0, self.deadline - time.monotonic())))
         if time.monotonic() >= self.deadline:
             raise _TransientError(f"{self.name}#{self.seq}: no budget left for another attempt")
         regroup(self.rt, self.name, self.seq, attempt, self.deadline)
