@@ -56,7 +56,6 @@ class PendingOp:
 
     __slots__ = (
         "backend_error",
-        "deadline",
         "done",
         "event",
         "future",
@@ -71,13 +70,11 @@ class PendingOp:
         name: str,
         seq: int,
         *,
-        deadline: float = float("inf"),
         future: torch.futures.Future[Any] | None = None,
         result_fn: Callable[[Any], Any] | None = None,
     ) -> None:
         self.name = name
         self.seq = seq
-        self.deadline = deadline
         self.event = threading.Event()
         self.backend_error: BaseException | None = None
         self.done = False
@@ -128,14 +125,12 @@ class Runtime:
         backend: str,
         control_root: dist.Store,
         config: ResilienceConfig,
-        owns_group: bool,
         generation: int = 0,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.config = config
-        self.owns_group = owns_group
         self.generation = generation
         self.control_root = control_root
         self.control = ctl.ControlPlane(control_root, generation)
@@ -351,10 +346,10 @@ class Runtime:
         secondary = isinstance(exc, _SECONDARY) or bool(self.failures) or bool(self.left)
         culprit = ctl.culprit_from(
             self.rank,
-            what=f"raised {_qualname(type(exc))}" + (f" in thread {thread!r}" if thread else ""),
+            what=f"raised {qualname(type(exc))}" + (f" in thread {thread!r}" if thread else ""),
             info=self.identity,
             state=self.snapshot(0),
-            exc_type=_qualname(type(exc)),
+            exc_type=qualname(type(exc)),
             exc_message=str(exc),
             traceback=format_tb_summary(tb or exc.__traceback__, self.config.stack_depth),
         )
@@ -446,7 +441,6 @@ class Runtime:
             info = self.infos.get(r, {})
             what = self._what_blocks(r, s, answered, name, seq)
             if what:
-                stopped = self.is_local(r) and ctl.process_state(int(info.get("pid", 0))) == "T"
                 fresh = time.time() - float(s.get("t", 0)) < hb_timeout
                 culprits.append(
                     ctl.culprit_from(
@@ -455,7 +449,7 @@ class Runtime:
                         info=info,
                         state=s,
                         stack=s.get("stack"),
-                        alive=answered or (fresh and not stopped),
+                        alive=answered or (fresh and not self.is_stopped(r)),
                     )
                 )
         # Name root causes only. A rank blocked in an earlier collective is waiting on
@@ -519,8 +513,7 @@ class Runtime:
             # After raising one of our errors itself, it is a consequence (see _blame_level).
             return f"{gone} after an error of its own" if s.get("raised") else gone
         if not answered:
-            pid = int(self.infos.get(r, {}).get("pid", 0))
-            if self.is_local(r) and ctl.process_state(pid) == "T":
+            if self.is_stopped(r):
                 return "is stopped (SIGSTOP or a debugger) and not responding"
             return f"is not responding (last heartbeat {time.time() - s.get('t', 0):.1f} s ago)"
         their_seq = s.get("seq", -1)
@@ -530,6 +523,12 @@ class Runtime:
         if their_seq > seq:
             return f"is ahead: already in {s.get('op')}#{their_seq}"
         return ""
+
+    def is_stopped(self, rank: int) -> bool:
+        """Whether ``rank`` runs on this host and its process is stopped (SIGSTOP, a
+        debugger): then it cannot answer, though its heartbeat is not yet stale."""
+        pid = int(self.infos.get(rank, {}).get("pid", 0))
+        return self.is_local(rank) and ctl.process_state(pid) == "T"
 
     def is_local(self, rank: int) -> bool:
         info = self.infos.get(rank)
@@ -552,7 +551,8 @@ def _blame_level(what: str) -> int:
 
 
 # -- formatting helpers -----------------------------------------------------------------------
-def _qualname(cls: type) -> str:
+def qualname(cls: type) -> str:
+    """``module.Class`` (bare for builtins and ``__main__``), as reports name types."""
     mod = cls.__module__
     return cls.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{cls.__qualname__}"
 
@@ -626,7 +626,7 @@ def _thread_hook(args: threading.ExceptHookArgs) -> None:
     if rt is not None and args.exc_value is not None:
         name = args.thread.name if args.thread is not None else "?"
         rt.thread_errors.append(
-            f"note: thread {name!r} died with {_qualname(args.exc_type)}: {args.exc_value}"
+            f"note: thread {name!r} died with {qualname(args.exc_type)}: {args.exc_value}"
         )
     assert _prev_thread_hook is not None
     _prev_thread_hook(args)

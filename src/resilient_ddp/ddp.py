@@ -185,7 +185,7 @@ class ResilientDDP(DistributedDataParallel):
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        group = self.process_group if self.process_group is not dist.group.WORLD else None
+        group = self._rd_group
         for same in by_dtype.values():
             flat = _flatten(same)
             broadcast(
@@ -201,6 +201,12 @@ class ResilientDDP(DistributedDataParallel):
         # Waiting for the others in this broadcast is not this rank's compute: start the
         # straggler clock after it (under DDP a slow rank makes everyone wait here).
         self._rd_compute_start = time.monotonic()
+
+    @property
+    def _rd_group(self) -> dist.ProcessGroup | None:
+        """The group for our collectives: ``None`` for the default (world) group, which
+        a group retry may rebuild."""
+        return self.process_group if self.process_group is not dist.group.WORLD else None
 
     def straggler_report(self) -> dict[str, Any]:
         """Every rank's median step compute time (forward + backward, before waiting on the
@@ -234,7 +240,7 @@ def _resilient_hook(
         devices=[tensor.device] if tensor.device.type == "cuda" else None
     )
     try:
-        group = ddp.process_group if ddp.process_group is not dist.group.WORLD else None
+        group = ddp._rd_group
         cfg = ddp._rd_config
         op = _Op(
             f"ddp_bucket{bucket.index()}",
@@ -265,7 +271,7 @@ def _resilient_hook(
         def pick(v: Any) -> Any:
             return v
 
-    p = PendingOp(op.name, op.seq, deadline=op.deadline, future=result, result_fn=pick)
+    p = PendingOp(op.name, op.seq, future=result, result_fn=pick)
     rt.register(p)
     p.attach_future(inner)
     if ddp._rd_callback_queued:

@@ -308,7 +308,7 @@ def _child_main(
             exc: BaseException | None = e
         except Exception:  # noqa: BLE001
             exc = None
-        message = ("error", (_qualname(type(e)), str(e), tb, exc))
+        message = ("error", (_runtime.qualname(type(e)), str(e), tb, exc))
         sys.stderr.write(f"[rank {rank}] {tb}")
     try:
         conn.send(message)
@@ -332,8 +332,3 @@ def _finish(code: int) -> None:
     # failure, gloo objects destructed there can block on a stopped peer or abort the
     # process on a dead one (FINDINGS).
     _runtime.hard_exit(code)
-
-
-def _qualname(cls: type) -> str:
-    mod = cls.__module__
-    return cls.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{cls.__qualname__}"

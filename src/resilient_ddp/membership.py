@@ -118,7 +118,6 @@ def rebuild(rt: Runtime, generation: int, *, timeout_s: float) -> None:
     with rt.lock:
         rt.failures.clear()
         rt.left.clear()
-    rt.owns_group = True
     _join_control_plane(rt)
     if rt.rank == 0:
         # The launcher (rd.spawn) reads the current generation from here.

@@ -85,10 +85,7 @@ def init_process_group(
         if device_id is not None:
             kwargs["device_id"] = device_id
         dist.init_process_group(backend, **kwargs)
-        owns = True
-    else:
-        owns = False
-    attach(cfg, owns_group=owns, store=store)
+    attach(cfg, store=store)
 
 
 def is_initialized() -> bool:
@@ -119,7 +116,6 @@ def control_store(explicit: dist.Store | None = None) -> dist.Store:
 def attach(
     config: ResilienceConfig | None = None,
     *,
-    owns_group: bool = False,
     store: dist.Store | None = None,
 ) -> Runtime:
     """Start failure detection on top of torch's existing default process group.
@@ -142,7 +138,6 @@ def attach(
         backend=backend_name(),
         control_root=control_store(store),
         config=cfg,
-        owns_group=owns_group,
     )
     _join_control_plane(rt)
     _runtime.set_current(rt)

@@ -134,8 +134,7 @@ class Watchdog(threading.Thread):
             if silent < self.hb_timeout or s.get("status") != "running" or r in self.rt.left:
                 continue
             what = f"stopped sending heartbeats ({silent:.1f} s without one)"
-            info = self.rt.infos.get(r, {})
-            if self.rt.is_local(r) and ctl.process_state(int(info.get("pid", 0))) == "T":
+            if self.rt.is_stopped(r):
                 what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silent:.1f} s"
             self._report(ctl.EV_UNRESPONSIVE, r, what, s)
             self._last_change[r] = (beat, float("inf"))  # report once
@@ -160,16 +159,7 @@ class Watchdog(threading.Thread):
             rt.rank, what=what, info=rt.identity, state=state, stack=state["stack"]
         )
         log.warning("rank %d: %s", rt.rank, what)
-        self.control.post_event(
-            {
-                "kind": ctl.EV_SECTION,
-                "rank": rt.rank,
-                "reporter": rt.rank,
-                "gen": rt.generation,
-                "t": time.time(),
-                "culprit": culprit,
-            }
-        )
+        self._post(ctl.EV_SECTION, rt.rank, culprit)
         self.poke()
 
     def _check_stragglers(self) -> None:
@@ -212,17 +202,21 @@ class Watchdog(threading.Thread):
             return  # someone else reported it first
         culprit = ctl.culprit_from(r, what=what, info=self.rt.infos.get(r), state=state)
         log.warning("rank %d: rank %d %s", self.rt.rank, r, what)
+        self._post(kind, r, culprit)
+        self.poke()
+
+    def _post(self, kind: str, rank: int, culprit: dict[str, Any]) -> None:
+        """Post an event about ``rank`` from this thread's own store connection."""
         self.control.post_event(
             {
                 "kind": kind,
-                "rank": r,
+                "rank": rank,
                 "reporter": self.rt.rank,
                 "gen": self.rt.generation,
                 "t": time.time(),
                 "culprit": culprit,
             }
         )
-        self.poke()
 
     # -- on failure --------------------------------------------------------------------------
     def _on_failure(self) -> None:
