@@ -313,6 +313,112 @@ def render_ddp_step(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+@renderer("sampler")
+def render_sampler(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    lines = [
+        f"{setup.get('items', '?'):,} items; costs: {setup.get('costs', '?')}. "
+        f"Every ratio is over the lower bound {setup.get('lower_bound', 'LB')} (1.00 is "
+        f"perfect); torch's sampler is `{setup.get('torch_sampler', '?')}`, whose padding "
+        "repeats items (counted, and their cost included).",
+        "",
+        "**Plain split** (`BalancedDistributedSampler`): largest per-rank total cost / LB.",
+        "",
+    ]
+    rows = [
+        [
+            str(r["world_size"]),
+            f"{r['ours']:.4f}",
+            f"{r['torch']:.3f}",
+            str(r["torch_duplicates"]),
+            f"{r['ours_count_min']}-{r['ours_count_max']}",
+        ]
+        for r in data.get("plain", [])
+    ]
+    header = ["ranks", "ours", "DistributedSampler", "its repeated items", "our items per rank"]
+    lines += md_table(header, rows, align="rrrrr")
+    lines += [
+        "",
+        "**Lockstep** (`LockstepBatchSampler`): sum over steps of the slowest rank's batch "
+        "cost / LB, against torch's sampler cut into batches of the same size.",
+        "",
+    ]
+    rows = [
+        [
+            str(r["world_size"]),
+            str(r["batch_size"]),
+            f"{r['ours']:.4f}",
+            f"{r['torch']:.3f}",
+            f"{r['ours_steps']} / {r['torch_steps']}",
+            str(r["ours_empty_batches"]),
+        ]
+        for r in data.get("lockstep", []) + data.get("lockstep_sweep", [])
+    ]
+    header = ["ranks", "batch size", "ours", "DistributedSampler", "steps (ours / torch)"]
+    lines += md_table([*header, "our empty batches"], rows, align="rrrrrr")
+    seeds = data.get("seeds", [])
+    if seeds:
+        lines += [
+            "",
+            "**Other draws** of the same distribution at 64 ranks, lockstep batch size "
+            f"{setup.get('batch_size', '?')}; the second column is the largest item over a "
+            "rank's share (sum / W).",
+            "",
+        ]
+        rows = [
+            [
+                str(r["seed"]),
+                f"{r['max_cost_share']:.3f}",
+                f"{r['plain_ours']:.4f}",
+                f"{r['plain_torch']:.3f}",
+                f"{r['lockstep_ours']:.4f}",
+                f"{r['lockstep_torch']:.3f}",
+            ]
+            for r in seeds
+        ]
+        header = ["seed", "largest item / share", "plain: ours", "plain: torch"]
+        lines += md_table([*header, "lockstep: ours", "lockstep: torch"], rows, align="rrrrrr")
+    lines += [
+        "",
+        f"**Plan time**: {setup.get('plan_time', '')}; lockstep batch size "
+        f"{setup.get('batch_size', '?')}. Seconds, median of the repeats.",
+        "",
+    ]
+    rows = [
+        [
+            f"{r['items']:,}",
+            str(r["world_size"]),
+            f"{r['plain_s']:.3f}",
+            f"{r['lockstep_s']:.3f}",
+            f"{r['torch_s']:.3f}",
+            str(r["repeats"]),
+        ]
+        for r in data.get("build", [])
+    ]
+    header = ["items", "ranks", "plain", "lockstep", "DistributedSampler", "repeats"]
+    lines += md_table(header, rows, align="rrrrrr")
+    lines += [
+        "",
+        "Reading these figures: the plain split is within a tenth of a percent of the "
+        "bound on every draw, because a rank's total exceeds sum/W by less than one item, "
+        "and these items are small next to a rank's share. In lockstep every rank takes the "
+        "same number of steps and a step lasts as long as its slowest batch, so a very large "
+        "item costs more: the step that holds it lasts at least that item, while its other "
+        "ranks can only be given the other large items. On the draw whose largest item is "
+        "35 % of a rank's share, the minimal number of steps forces a ratio of at least "
+        "about 1.09 (that item plus the rest of the cost spread over the other steps), and "
+        "the 1.10 target is missed narrowly; on the other draws it is about 1.02. With batch "
+        "size 1 a step costs its largest item, and taking the sorted items W at a time "
+        "(what the sampler does) is optimal, so the 1.08 there is the spread of the items, "
+        "not a weakness of the split (other draws give up to 1.30). Empty batches occur "
+        "only when a step has fewer items than ranks (10,000 is not a multiple of 64). "
+        "The plan time is dominated by one sort (lockstep) or a few passes over the costs "
+        "(plain) and is noisy on this shared 2-core machine.",
+        "",
+    ]
+    return lines
+
+
 # -- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
