@@ -6,6 +6,7 @@ Every public name is importable from here; the submodules are implementation det
 from __future__ import annotations
 
 from ._runtime import phase, section
+from .checkpoint import broadcast_state_dict, load_and_broadcast
 from .collectives import (
     all_gather,
     all_gather_object,
@@ -29,17 +30,22 @@ from .errors import (
     RetryBudgetExhaustedError,
     SpawnError,
 )
+from .gather import gather_to_rank0
+from .inference import distributed_inference
 from .launch import spawn
 from .process_group import destroy_process_group, init_process_group, is_initialized
+from .sampler import BalancedDistributedSampler, LockstepBatchSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BalancedDistributedSampler",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
     "ControlPlaneError",
     "Culprit",
+    "LockstepBatchSampler",
     "PreflightError",
     "RankFailureError",
     "RankOutcome",
@@ -56,10 +62,14 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "broadcast_state_dict",
     "destroy_process_group",
+    "distributed_inference",
+    "gather_to_rank0",
     "get_config",
     "init_process_group",
     "is_initialized",
+    "load_and_broadcast",
     "phase",
     "section",
     "set_config",

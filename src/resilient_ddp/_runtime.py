@@ -149,6 +149,8 @@ class Runtime:
         self.section_budget = 0.0
         self.status = "running"
         self.compute_s = 0.0  # median local compute time of recent steps (ResilientDDP)
+        self.progress: int | None = None  # items done so far in distributed_inference
+        self.local_forward = 0  # > 0: ResilientDDP forwards skip DDP's sync (inference)
         self.thread_errors: list[str] = []
         # Failure state.
         self.lock = threading.Lock()
@@ -204,6 +206,7 @@ class Runtime:
             "section": self.section,
             "status": self.status,
             "compute_s": self.compute_s,
+            "progress": self.progress,
             "raised": self.raised,
             "t": time.time(),
         }

@@ -19,9 +19,7 @@ per-rank table on every rank, instead of gloo's silent wrong result, SIGABRT or 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -34,6 +32,7 @@ import torch.distributed as dist
 from . import _control as ctl
 from ._backend import comm_device
 from ._runtime import PendingOp
+from ._wire import dumps, loads
 from .config import SHORTEST_TIMEOUT, RetryPolicy
 from .errors import (
     CollectiveMismatchError,
@@ -168,6 +167,15 @@ class _Op:
         self.start = time.monotonic()
         self.deadline = self.start + self.budget_s
         self.seq = rt.begin_op(name)
+
+    def renew(self) -> None:
+        """Count progress (a chunk moved): the attempt timeout and the budget start again.
+
+        Used by the streaming ops (:func:`gather_to_rank0`, :func:`broadcast_state_dict`),
+        whose length grows with the data: they are bounded per chunk, not in total.
+        """
+        self.start = time.monotonic()
+        self.deadline = self.start + self.budget_s
 
     def run(
         self,
@@ -675,11 +683,11 @@ def all_gather_object(
     Raises: as :func:`all_reduce`.
     """
     o = _Op("all_gather_object", group, timeout, budget, retry, validate)
-    payload = _to_bytes(obj)
+    payload = dumps(obj)
 
     def body() -> list[Any]:
         parts = _gather_uneven(o, payload)
-        return [_from_bytes(p) for p in parts]
+        return [loads(p) for p in parts]
 
     return o.run(body, signature=lambda: _sig("all_gather_object"))
 
@@ -708,7 +716,7 @@ def broadcast_object(
     o = _Op("broadcast_object", group, timeout, budget, retry, validate)
     device = comm_device(group)
     is_src = dist.get_rank() == src
-    payload = _to_bytes(obj).to(device) if is_src else None
+    payload = dumps(obj).to(device) if is_src else None
 
     def body() -> Any:
         size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
@@ -719,21 +727,6 @@ def broadcast_object(
             else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         )
         o.wait(dist.broadcast(buf, src, group=o.group, async_op=True), cuda=buf.is_cuda)
-        return obj if is_src else _from_bytes(buf)
+        return obj if is_src else loads(buf)
 
     return o.run(body, signature=lambda: _sig("broadcast_object", src=src))
-
-
-def _to_bytes(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-
-
-def _from_bytes(t: torch.Tensor) -> Any:
-    t = t.cpu().contiguous()
-    try:
-        raw = t.numpy().tobytes()
-    except RuntimeError:  # numpy is not installed: slower, same bytes
-        raw = bytes(t.tolist())
-    return pickle.loads(raw)  # noqa: S301 - the peers of one job

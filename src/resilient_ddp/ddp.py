@@ -130,6 +130,10 @@ class ResilientDDP(DistributedDataParallel):
         if rt is not None:
             # A known failure makes the step fail now, not in its first collective.
             rt.raise_if_failed("forward", rt.seq + 1)
+            if rt.local_forward:
+                # distributed_inference: ranks run different numbers of forwards, so DDP's
+                # per-forward buffer broadcast would pair up unrelated calls.
+                return self.module(*inputs, **kwargs)
             rt.phase = "forward"
             self._rd_compute_start = time.monotonic()
         output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]

@@ -1,0 +1,66 @@
+"""Bytes on the wire: objects to ``uint8`` tensors and back, for the object collectives."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+
+def dumps(obj: Any, *, compact_tensors: bool = False) -> torch.Tensor:
+    """Pickle ``obj`` into a CPU ``uint8`` tensor.
+
+    Args:
+        obj: Any picklable object.
+        compact_tensors: Pickle each tensor as its own bytes (see :class:`CompactPickler`)
+            instead of torch's default, which keeps a view's whole storage and the device.
+    """
+    buf = io.BytesIO()
+    pickler = CompactPickler if compact_tensors else pickle.Pickler
+    pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+
+
+def loads(t: torch.Tensor) -> Any:
+    """The object pickled into the ``uint8`` tensor ``t``."""
+    return pickle.loads(buffer_of(t))  # noqa: S301 - the peers of one job
+
+
+def buffer_of(t: torch.Tensor) -> Any:
+    """A bytes-like view of a ``uint8`` tensor's data (a copy only without numpy)."""
+    t = t.cpu().contiguous()
+    try:
+        return memoryview(t.numpy())  # type: ignore[arg-type] # ndarray is a buffer
+    except RuntimeError:  # numpy is not installed: slower, same bytes
+        return bytes(t.tolist())
+
+
+class CompactPickler(pickle.Pickler):
+    """Pickles a dense tensor as its own bytes, detached and for the CPU.
+
+    torch's default pickling keeps a view's whole storage (``out[i]`` of a large batch would
+    carry the batch) and rebuilds a CUDA tensor on a GPU of the receiver.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        t = obj.detach()
+        if t.layout != torch.strided or t.is_quantized:
+            return NotImplemented
+        t = t.cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8)
+        try:
+            buf: Any = pickle.PickleBuffer(raw.numpy())  # type: ignore[arg-type]
+        except RuntimeError:  # numpy is not installed
+            buf = bytearray(raw.tolist())
+        return _rebuild_tensor, (buf, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+def _rebuild_tensor(buf: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    dt = getattr(torch, dtype)
+    if not buf:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(buf, dtype=dt).reshape(shape)

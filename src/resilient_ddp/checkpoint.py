@@ -1,0 +1,264 @@
+"""Load a checkpoint once, share it over the group.
+
+Every rank reading the same checkpoint from a shared filesystem at start-up is a classic
+cause of stalls: W readers of one file, and a slow mount makes the fastest rank wait in its
+first collective until the timeout. :func:`load_and_broadcast` reads on one rank and
+:func:`broadcast_state_dict` sends the result to the others over the process group, in
+bounded chunks, with the same typed errors and per-chunk timeout as every other op.
+
+The structure (nested dicts, lists, optimizer ``param_groups``, any picklable leaf) travels
+as a small pickle with the tensors left out; the tensors' bytes then follow as one stream
+cut into chunks, which the receivers take straight into their final buffer.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._backend import comm_device
+from ._wire import dumps, loads
+from .collectives import Duration, _Op, _sig
+from .errors import ConfigError, Culprit, RankFailureError
+
+__all__ = ["broadcast_state_dict", "load_and_broadcast"]
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+_ALIGN = 64  # every tensor starts at a multiple of this many bytes of the stream
+
+
+def broadcast_state_dict(
+    state_dict: Any = None,
+    src: int = 0,
+    *,
+    device: torch.device | str | None = None,
+    timeout: Duration = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Any:
+    """Send ``src``'s state dict (or any nest of tensors and picklable objects) to every rank.
+
+    Collective over the default group: every rank calls it; only ``src``'s ``state_dict``
+    is read. Blocks until this rank has the whole state.
+
+    Args:
+        state_dict: On ``src``: what to send, e.g. ``model.state_dict()`` or a checkpoint
+            dict holding model and optimizer state. Ignored on the other ranks.
+        src: Global rank that sends.
+        device: Where the received tensors are placed (default: the CPU, like
+            ``torch.load(map_location="cpu")``).
+        timeout: Longest wait for one chunk (timedelta or seconds; default
+            ``config.op_timeout``). The transfer as a whole may take as long as the data
+            needs while chunks keep moving.
+        chunk_bytes: Size of one chunk of tensor data, in bytes (default 64 MiB): the extra
+            memory ``src`` uses to send.
+
+    Returns:
+        On ``src``, ``state_dict`` itself. Elsewhere, an equal structure whose tensors hold
+        ``src``'s values (detached, on ``device``).
+
+    Raises:
+        RankFailureError: ``src`` (or another rank) crashed, raised, left or stopped
+            responding; names it.
+        CollectiveTimeoutError: A rank never called it; names the rank.
+        CollectiveMismatchError: Ranks passed different ``src``.
+        ConfigError: ``src`` out of range or ``chunk_bytes`` not positive.
+    """
+    world = dist.get_world_size()
+    if not 0 <= src < world:
+        raise ConfigError(f"src should be in [0, {world - 1}], got {src}")
+    if chunk_bytes < 1:
+        raise ConfigError(f"chunk_bytes should be positive, got {chunk_bytes}")
+    o = _Op("broadcast_state_dict", None, timeout, None, 1, True)
+    return o.run(
+        lambda: _broadcast(o, state_dict, src, device, chunk_bytes),
+        signature=lambda: _sig("broadcast_state_dict", src=src),
+    )
+
+
+def load_and_broadcast(
+    path: str | os.PathLike[str] | Callable[[], Any],
+    src: int = 0,
+    *,
+    device: torch.device | str | None = None,
+    weights_only: bool = True,
+    timeout: Duration = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Any:
+    """Read a checkpoint on ``src`` only and give it to every rank.
+
+    Args:
+        path: The file to ``torch.load`` (on the CPU), or a function that returns the
+            object to share (for another format); only ``src`` opens or calls it.
+        src: Global rank that reads.
+        device: Where every rank's tensors are placed (default: the CPU).
+        weights_only: Passed to ``torch.load``.
+        timeout: As :func:`broadcast_state_dict`; reading the file on ``src`` is not
+            bounded by it.
+        chunk_bytes: As :func:`broadcast_state_dict`.
+
+    Returns:
+        The loaded object, on every rank (on ``src``, as ``torch.load`` returned it, moved
+        to ``device`` when one is given).
+
+    Raises:
+        RankFailureError: On every rank but ``src`` when ``src`` could not read the
+            checkpoint (the culprit holds its exception); ``src`` raises that exception.
+        Others: as :func:`broadcast_state_dict`.
+    """
+    error: BaseException | None = None
+    obj: Any = None
+    if dist.get_rank() == src:
+        try:
+            obj = (
+                path()
+                if callable(path)
+                else torch.load(path, map_location="cpu", weights_only=weights_only)
+            )
+            if device is not None:
+                obj = _move(obj, torch.device(device))
+        except Exception as e:  # noqa: BLE001 - every rank learns of it, then src re-raises it
+            error = e
+            obj = _LoadFailed(type(e).__qualname__, str(e))
+    shared = broadcast_state_dict(obj, src, device=device, timeout=timeout, chunk_bytes=chunk_bytes)
+    if error is not None:
+        raise error
+    if isinstance(shared, _LoadFailed):
+        raise RankFailureError(
+            f"rank {src} could not load the checkpoint {path!r}: {shared.exc_type}: "
+            f"{shared.message}",
+            culprits=[
+                Culprit(
+                    rank=src,
+                    what=f"raised {shared.exc_type} while loading",
+                    exc_type=shared.exc_type,
+                    exc_message=shared.message,
+                )
+            ],
+            op="load_and_broadcast",
+        )
+    return shared
+
+
+class _LoadFailed:
+    """What ``src`` sends instead of the checkpoint when reading it raised."""
+
+    def __init__(self, exc_type: str, message: str) -> None:
+        self.exc_type = exc_type
+        self.message = message
+
+
+def _broadcast(
+    o: _Op, state: Any, src: int, device: torch.device | str | None, chunk_bytes: int
+) -> Any:
+    comm = comm_device(None)
+    cuda = comm.type == "cuda"
+    is_src = dist.get_rank() == src
+    # 1. The structure, tensors left out, and each tensor's dtype, shape and offset.
+    tensors: list[torch.Tensor] = []
+    if is_src:
+        buf = io.BytesIO()
+        _SkeletonPickler(buf, tensors).dump(state)
+        specs, total = _layout(tensors)
+        meta = dumps((buf.getvalue(), specs, total))
+    size = torch.tensor([meta.numel() if is_src else 0], dtype=torch.int64, device=comm)
+    o.wait(dist.broadcast(size, src, async_op=True), cuda=cuda)
+    meta_buf = meta.to(comm) if is_src else torch.empty(int(size), dtype=torch.uint8, device=comm)
+    o.wait(dist.broadcast(meta_buf, src, async_op=True), cuda=cuda)
+    o.renew()
+    skeleton, specs, total = loads(meta_buf) if not is_src else (None, specs, total)
+    # 2. The tensors' bytes as one stream, chunk by chunk: straight into the receivers'
+    # final buffer; src copies one chunk at a time into a staging buffer.
+    flat = torch.empty(0 if is_src else total, dtype=torch.uint8, device=comm)
+    staging = torch.empty(min(chunk_bytes, total) if is_src else 0, dtype=torch.uint8, device=comm)
+    sources = [_bytes_of(t) for t in tensors] if is_src else []
+    for start in range(0, total, chunk_bytes):
+        end = min(start + chunk_bytes, total)
+        if is_src:
+            chunk = staging[: end - start]
+            _fill(chunk, start, sources, specs)
+        else:
+            chunk = flat[start:end]
+        o.wait(dist.broadcast(chunk, src, async_op=True), cuda=cuda)
+        o.renew()
+    if is_src:
+        return state
+    # 3. Rebuild: views into the one buffer, moved to ``device`` when it differs.
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    rebuilt = [
+        flat[off : off + nbytes].view(getattr(torch, dtype)).reshape(shape)
+        for dtype, shape, off, nbytes in specs
+    ]
+    if flat.device != target:
+        rebuilt = [t.to(target) for t in rebuilt]
+    assert skeleton is not None
+    return _SkeletonUnpickler(io.BytesIO(skeleton), rebuilt).load()
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+    specs = []
+    offset = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        specs.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return specs, offset
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _fill(
+    chunk: torch.Tensor,
+    start: int,
+    sources: list[torch.Tensor],
+    specs: list[tuple[str, tuple[int, ...], int, int]],
+) -> None:
+    """Copy the stream's bytes ``[start, start + len(chunk))`` from the tensors into
+    ``chunk`` (alignment gaps are left as they are: nobody reads them)."""
+    end = start + chunk.numel()
+    for src, (_, _, off, nbytes) in zip(sources, specs, strict=True):
+        if off + nbytes <= start or off >= end:
+            continue
+        a, b = max(off, start), min(off + nbytes, end)
+        chunk[a - start : b - start].copy_(src[a - off : b - off])
+
+
+class _SkeletonPickler(pickle.Pickler):
+    """Pickles a structure with every tensor replaced by its position in ``tensors``."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_quantized:
+                raise ConfigError(
+                    f"broadcast_state_dict sends dense tensors only, got one with layout "
+                    f"{obj.layout}{' (quantized)' if obj.is_quantized else ''}"
+                )
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.tensors[int(pid)]
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(device), obj)

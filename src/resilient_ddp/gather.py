@@ -1,0 +1,404 @@
+"""Gather results to rank 0 only, in dataset order, in bounded chunks.
+
+:func:`gather_to_rank0` is the end of a distributed evaluation or inference loop: every
+rank holds the results of its own items (uneven counts, uneven shapes, arbitrary picklable
+objects) and rank 0 needs all of them, in dataset order. torch's answers all fall short:
+``all_gather_object`` copies everything to *every* rank (W times the memory), ``all_gather``
+needs equal shapes (gloo aborts the process with SIGABRT otherwise) and ``gather`` returns
+rank order. Here:
+
+1. the ranks exchange a fixed-size header (entry count, kind of entries, whether indices
+   were given), so a dtype mismatch or a rank that passed objects where the others passed
+   tensors is a :class:`CollectiveMismatchError` on every rank before any data moves;
+2. each rank ``r > 0`` streams its entries to rank 0 with point-to-point sends, in pieces of
+   about ``chunk_bytes`` (a piece is a run of pickled entries), while rank 0 receives from
+   every rank at once, one piece per rank per round: a non-zero rank never holds more than
+   its own data plus one piece, and never anyone else's data;
+3. rank 0 restores dataset order from the indices, checks that no index is duplicated (or
+   missing, with ``num_items``), and broadcasts its verdict, so that an index problem is the
+   same error on every rank.
+
+Every wait is bounded like the other collectives, and the timeout applies per piece: a long
+gather that makes progress never times out, a rank that stops sending is named.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
+
+from ._backend import comm_device
+from ._wire import CompactPickler, buffer_of, dumps, loads
+from .collectives import Duration, _format_table, _Op, _sig
+from .errors import CollectiveMismatchError, ConfigError
+
+__all__ = ["gather_to_rank0"]
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+_HEADER = 4  # [entries, kind, has indices, num_items]
+_LEN = 8  # bytes of the length in front of each entry's pickle
+_KIND_NONE = -1  # no entries: agrees with every kind
+_KIND_OBJECTS = -2  # anything but tensors of one dtype
+# Tensor kinds are an index into this list; it only ever grows at the end.
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+
+
+def gather_to_rank0(
+    data: Sequence[Any],
+    *,
+    indices: Sequence[int] | torch.Tensor | None = None,
+    num_items: int | None = None,
+    timeout: Duration = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[Any] | None:
+    """Collect every rank's entries on rank 0, in dataset order when indices are given.
+
+    Collective over the default group: every rank must call it, with its own entries
+    (possibly none). Blocks until rank 0 has everything and has checked the indices.
+
+    Args:
+        data: One entry per local item: a tensor of any shape, or any picklable object (a
+            nested dict or tuple is kept intact). Entries of all ranks should be of one kind:
+            tensors of one dtype, or objects.
+        indices: The dataset index of each entry (same length as ``data``). When given, rank
+            0's result is ordered by index and an index sent twice is an error.
+        num_items: With ``indices``, the number of items of the whole dataset: the indices
+            must then be exactly ``range(num_items)``, and a missing one is an error.
+        timeout: Longest wait for one piece to move (timedelta or seconds; default
+            ``config.op_timeout``). The gather as a whole is not bounded: it may take as
+            long as the data needs while pieces keep moving.
+        chunk_bytes: Target size of one piece, in bytes (default 16 MiB). It bounds the
+            extra memory of a sending rank (one piece, or one entry if an entry is larger).
+
+    Returns:
+        On rank 0, the list of every rank's entries: ordered by index when ``indices`` are
+        given, else rank 0's entries, then rank 1's, and so on. Tensors arrive detached and
+        on the CPU (rank 0's own entries too). On every other rank, ``None``.
+
+    Raises:
+        CollectiveMismatchError: On every rank: ranks passed entries of different kinds or
+            tensor dtypes, some ranks passed ``indices`` and others not, or an index is
+            duplicated, out of ``range(num_items)`` or missing. Names the ranks.
+        RankFailureError: A rank crashed, raised, left or stopped sending; names it.
+        CollectiveTimeoutError: A rank never called the gather (it is named, with where its
+            main thread is).
+        ConfigError: Invalid arguments (``indices`` of another length than ``data``, ...).
+    """
+    entries = list(data)
+    idx = _index_tensor(indices, len(entries))
+    if num_items is not None and (idx is None or num_items < 0):
+        raise ConfigError(
+            f"num_items ({num_items}) needs indices and must be non-negative: it says how "
+            "many dataset items the indices must cover."
+        )
+    if chunk_bytes < 1:
+        raise ConfigError(f"chunk_bytes should be positive, got {chunk_bytes}")
+    # The gather is always validated: a rank that issued another op is then named (and the
+    # fingerprint's single all-reduce is nothing next to the data).
+    o = _Op("gather_to_rank0", None, timeout, None, 1, True)
+    kind = _kind(entries)
+    return o.run(
+        lambda: _gather(o, entries, idx, kind, num_items, chunk_bytes),
+        signature=lambda: _sig("gather_to_rank0", indices=idx is not None, num_items=num_items),
+    )
+
+
+def _gather(
+    o: _Op,
+    entries: list[Any],
+    idx: torch.Tensor | None,
+    kind: int,
+    num_items: int | None,
+    chunk_bytes: int,
+) -> list[Any] | None:
+    rank, world = o.rt.rank, dist.get_world_size()
+    device = comm_device(None)
+    # 1. Header: every rank learns every rank's count and kind.
+    header = torch.tensor(
+        [len(entries), kind, int(idx is not None), -1 if num_items is None else num_items],
+        dtype=torch.int64,
+    )
+    headers = [torch.empty(_HEADER, dtype=torch.int64, device=device) for _ in range(world)]
+    o.wait(dist.all_gather(headers, header.to(device), async_op=True), cuda=device.type == "cuda")
+    rows = [h.tolist() for h in headers]
+    _check_headers(o, rows)
+    o.renew()
+    # 2. Stream: ranks > 0 send, rank 0 receives from all of them at once.
+    if rank != 0:
+        _send(o, entries, idx, chunk_bytes, device)
+        result = None
+        problem = None
+    else:
+        parts, part_idx = _receive(o, rows, device)
+        parts[0] = [_to_cpu(e) for e in entries]
+        part_idx[0] = idx
+        result, problem = _assemble(o, parts, part_idx, num_items)
+    # 3. Verdict: an index problem found by rank 0 is raised on every rank.
+    _share_verdict(o, problem, device)
+    return result
+
+
+def _check_headers(o: _Op, rows: list[list[int]]) -> None:
+    kinds = {r[1] for r in rows if r[1] != _KIND_NONE}
+    flags = {r[2] for r in rows}
+    if len(kinds) <= 1 and len(flags) == 1:
+        return
+    table = {
+        i: {"entries": str(r[0]), "kind": _kind_name(r[1]), "indices": "yes" if r[2] else "no"}
+        for i, r in enumerate(rows)
+    }
+
+    def odd_ones(col: int, ignore: int | None = None) -> list[int]:
+        counts: dict[int, int] = {}
+        for r in rows:
+            if r[col] != ignore:
+                counts[r[col]] = counts.get(r[col], 0) + 1
+        common = max(sorted(counts), key=lambda v: counts[v])
+        return [i for i, r in enumerate(rows) if r[col] != common and r[col] != ignore]
+
+    odd = sorted(
+        set(odd_ones(1, _KIND_NONE) if len(kinds) > 1 else [])
+        | set(odd_ones(2) if len(flags) > 1 else [])
+    )
+    what = "entries of different kinds or dtypes" if len(kinds) > 1 else ""
+    if len(flags) > 1:
+        what = (what + " and " if what else "") + "indices on some ranks only"
+    o.rt.mark_raised()
+    raise CollectiveMismatchError(
+        f"gather_to_rank0#{o.seq}: ranks passed {what}; differing rank(s): {odd} "
+        f"(this rank: {o.rt.rank})\n" + _format_table(table, []),
+        table=table,
+        ranks=odd,
+        op="gather_to_rank0",
+        seq=o.seq,
+    )
+
+
+# -- streaming -------------------------------------------------------------------------------
+def _send(
+    o: _Op, entries: list[Any], idx: torch.Tensor | None, chunk_bytes: int, device: torch.device
+) -> None:
+    if not entries:
+        return
+    cuda = device.type == "cuda"
+    if idx is not None:
+        o.wait(dist.isend(idx.to(device), 0), cuda=cuda)
+    start = 0
+    while start < len(entries):
+        buf = io.BytesIO()
+        pickler = CompactPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        end = start
+        while end < len(entries) and (end == start or buf.tell() < chunk_bytes):
+            # Each entry is its own pickle behind its length, so that rank 0 unpickles it
+            # straight from the received buffer.
+            at = buf.tell()
+            buf.write(bytes(_LEN))
+            pickler.dump(entries[end])
+            pickler.clear_memo()
+            after = buf.tell()
+            buf.seek(at)
+            buf.write((after - at - _LEN).to_bytes(_LEN, "little"))
+            buf.seek(after)
+            end += 1
+        piece = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8).to(device)
+        size = torch.tensor([piece.numel()], dtype=torch.int64, device=device)
+        works = [dist.isend(size, 0), dist.isend(piece, 0)]
+        for w in works:
+            o.wait(w, cuda=cuda)
+        o.renew()
+        del piece
+        start = end
+
+
+def _receive(
+    o: _Op, rows: list[list[int]], device: torch.device
+) -> tuple[list[list[Any]], list[torch.Tensor | None]]:
+    world = len(rows)
+    cuda = device.type == "cuda"
+    want = [r[0] for r in rows]
+    parts: list[list[Any]] = [[] for _ in range(world)]
+    part_idx: list[torch.Tensor | None] = [None] * world
+    active = [r for r in range(1, world) if want[r] > 0]
+    if rows[0][2]:  # indices first, straight into their final tensors
+        idx_works = []
+        for r in active:
+            t = torch.empty(want[r], dtype=torch.int64, device=device)
+            part_idx[r] = t
+            idx_works.append(dist.irecv(t, r))
+        for w in idx_works:
+            o.wait(w, cuda=cuda)
+        part_idx = [t.cpu() if t is not None else None for t in part_idx]
+    while active:
+        sizes = {r: torch.empty(1, dtype=torch.int64, device=device) for r in active}
+        size_works = [dist.irecv(sizes[r], r) for r in active]
+        for w in size_works:
+            o.wait(w, cuda=cuda)
+        pieces = {r: torch.empty(int(sizes[r]), dtype=torch.uint8, device=device) for r in active}
+        piece_works = [dist.irecv(pieces[r], r) for r in active]
+        for w in piece_works:
+            o.wait(w, cuda=cuda)
+        o.renew()
+        for r in active:
+            parts[r].extend(_entries(pieces.pop(r)))
+        active = [r for r in active if len(parts[r]) < want[r]]
+    return parts, part_idx
+
+
+def _assemble(
+    o: _Op,
+    parts: list[list[Any]],
+    part_idx: list[torch.Tensor | None],
+    num_items: int | None,
+) -> tuple[list[Any], dict[str, Any] | None]:
+    flat = [e for p in parts for e in p]
+    if part_idx[0] is None:
+        return flat, None
+    counts = [len(p) for p in parts]
+    idx = torch.cat([t if t is not None else torch.empty(0, dtype=torch.int64) for t in part_idx])
+    owner = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(counts))
+    problem = _index_problem(idx, owner, counts, num_items, o.seq)
+    if problem is not None:
+        return [], problem
+    order = torch.argsort(idx, stable=True).tolist()
+    return [flat[i] for i in order], None
+
+
+def _index_problem(
+    idx: torch.Tensor, owner: torch.Tensor, counts: list[int], num_items: int | None, seq: int
+) -> dict[str, Any] | None:
+    """Describe duplicated, out-of-range and missing indices, or return None."""
+    world = len(counts)
+    sorted_idx = torch.sort(idx).values
+    dup_pos = torch.nonzero(sorted_idx[1:] == sorted_idx[:-1]).flatten()
+    dup_values = torch.unique(sorted_idx[dup_pos]) if dup_pos.numel() else sorted_idx[:0]
+    is_dup = torch.isin(idx, dup_values)
+    bad_range = torch.zeros_like(idx, dtype=torch.bool)
+    missing: list[int] = []
+    if num_items is not None:
+        bad_range = (idx < 0) | (idx >= num_items)
+        seen = torch.zeros(num_items, dtype=torch.bool)
+        seen[idx[~bad_range]] = True
+        missing = torch.nonzero(~seen).flatten().tolist()
+    if not dup_values.numel() and not bool(bad_range.any()) and not missing:
+        return None
+    dups_per_rank = torch.bincount(owner[is_dup], minlength=world).tolist()
+    range_per_rank = torch.bincount(owner[bad_range], minlength=world).tolist()
+    ranks = [r for r in range(world) if dups_per_rank[r] or range_per_rank[r]]
+    table = {
+        r: {
+            "entries": str(counts[r]),
+            "duplicated": str(dups_per_rank[r]),
+            "out_of_range": str(range_per_rank[r]),
+        }
+        for r in range(world)
+    }
+    said = []
+    if dup_values.numel():
+        first = int(dup_values[0])
+        holders = sorted(set(owner[idx == first].tolist()))
+        said.append(
+            f"{dup_values.numel()} index(es) sent more than once (e.g. {first}, by ranks {holders})"
+        )
+    if bool(bad_range.any()):
+        said.append(f"{int(bad_range.sum())} index(es) outside range({num_items})")
+    if missing:
+        said.append(f"{len(missing)} index(es) of range({num_items}) missing: {missing[:10]}")
+    message = (
+        f"gather_to_rank0#{seq}: {'; '.join(said)}; rank(s) at fault: {ranks}\n"
+        + _format_table(table, [])
+    )
+    return {"message": message, "table": table, "ranks": ranks}
+
+
+def _share_verdict(o: _Op, problem: dict[str, Any] | None, device: torch.device) -> None:
+    cuda = device.type == "cuda"
+    payload = dumps(problem) if problem is not None else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    o.wait(dist.broadcast(size, 0, async_op=True), cuda=cuda)
+    if int(size) == 0:
+        return
+    buf = (
+        payload.to(device)
+        if payload is not None
+        else torch.empty(int(size), dtype=torch.uint8, device=device)
+    )
+    o.wait(dist.broadcast(buf, 0, async_op=True), cuda=cuda)
+    verdict = loads(buf)
+    o.rt.mark_raised()
+    raise CollectiveMismatchError(
+        verdict["message"],
+        table=verdict["table"],
+        ranks=verdict["ranks"],
+        op="gather_to_rank0",
+        seq=o.seq,
+    )
+
+
+# -- entries -----------------------------------------------------------------------------------
+def _index_tensor(indices: Sequence[int] | torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if indices is None:
+        return None
+    idx = torch.as_tensor(indices)
+    if idx.dim() != 1 or (idx.numel() and (idx.is_floating_point() or idx.is_complex())):
+        raise ConfigError(f"indices should be a 1-d sequence of ints, got {tuple(idx.shape)}")
+    if idx.numel() != n:
+        raise ConfigError(
+            f"indices should give one index per entry of data: {idx.numel()} indices for "
+            f"{n} entries"
+        )
+    return idx.to(dtype=torch.int64, device="cpu")
+
+
+def _kind(entries: list[Any]) -> int:
+    if not entries:
+        return _KIND_NONE
+    dtypes = {e.dtype if isinstance(e, torch.Tensor) else None for e in entries}
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        if dtype is not None and dtype in _DTYPES:
+            return _DTYPES.index(dtype)
+    return _KIND_OBJECTS
+
+
+def _kind_name(kind: int) -> str:
+    if kind == _KIND_NONE:
+        return "(none)"
+    if kind == _KIND_OBJECTS:
+        return "objects"
+    return f"tensor {str(_DTYPES[kind]).removeprefix('torch.')}"
+
+
+def _to_cpu(entry: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), entry)
+
+
+def _entries(piece: torch.Tensor) -> list[Any]:
+    """The entries of one received piece: (length, pickle) pairs, one after another."""
+    view = buffer_of(piece)
+    out = []
+    at = 0
+    while at < len(view):
+        size = int.from_bytes(view[at : at + _LEN], "little")
+        at += _LEN
+        out.append(pickle.loads(view[at : at + size]))  # noqa: S301 - the peers of one job
+        at += size
+    return out

@@ -1,0 +1,305 @@
+"""Rank functions for the gather, state-sharing and distributed-inference tests."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import resilient_ddp as rd
+from resilient_ddp.testing import kill_self
+
+from ._workers import _init, error_summary, slow_data_loader
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 4.0, "op_timeout": 1.5}
+N_ITEMS = 103  # not divisible by 3 ranks
+
+
+# -- expected values, computed without the library -------------------------------------------
+def owner_of(i: int, world: int) -> int:
+    """A deliberately uneven split: rank 0 gets every 5th item, the rest alternate."""
+    if i % 5 == 0:
+        return 0
+    return 1 + i % (world - 1)
+
+
+def item(i: int) -> torch.Tensor:
+    """Item ``i``: a tensor whose shape depends on ``i``."""
+    return torch.arange(i % 4 + 1, dtype=torch.float32).repeat(2, 1) + i
+
+
+def obj(i: int) -> dict[str, Any]:
+    return {"i": i, "pair": (i, str(i) * (i % 3)), "t": torch.tensor([i, -i]), "nested": [{}]}
+
+
+def state(seed: int = 0) -> dict[str, Any]:
+    """A checkpoint-like nest: model and optimizer state, odd dtypes and shapes."""
+    g = torch.Generator().manual_seed(seed)
+    model = {
+        "w": torch.randn(37, 11, generator=g),
+        "b": torch.randn(11, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(7),
+        "mask": torch.rand(13, generator=g) > 0.5,
+        "empty": torch.empty(0, 3),
+        "ids": torch.randint(0, 1 << 40, (5,), generator=g),
+    }
+    optim = {
+        "state": {0: {"exp_avg": torch.randn(37, 11, generator=g), "step": 3}},
+        "param_groups": [{"lr": 0.1, "params": [0], "name": "main"}],
+    }
+    return {"model": model, "optimizer": optim, "epoch": 4, "tag": "ckpt"}
+
+
+def same(a: Any, b: Any) -> bool:
+    """Exact equality of nests of tensors (dtype, shape, bits) and plain values."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return bool(a == b)
+
+
+# -- gather ----------------------------------------------------------------------------------
+def gather_healthy(rank: int, world: int, n: int) -> Any:
+    _init(FAST)
+    try:
+        mine = [i for i in range(n) if owner_of(i, world) == rank]
+        out: dict[str, Any] = {}
+        # Tensors of uneven shapes, dataset order restored, many small pieces.
+        tensors = rd.gather_to_rank0(
+            [item(i) for i in mine], indices=mine, num_items=n, chunk_bytes=200
+        )
+        # Nested objects with tensors inside, no indices: rank order.
+        objects = rd.gather_to_rank0([obj(i) for i in mine])
+        # Rows of one batch tensor (views): each arrives as its own row only.
+        batch = torch.stack([torch.full((3,), float(i)) for i in mine]) if mine else None
+        rows = rd.gather_to_rank0(list(batch) if batch is not None else [], indices=mine)
+        # A rank with nothing to send.
+        nothing = rd.gather_to_rank0([] if rank == 1 else [rank], indices=None)
+        if rank != 0:
+            return {"all_none": all(x is None for x in (tensors, objects, rows, nothing))}
+        assert tensors is not None
+        assert objects is not None
+        assert rows is not None
+        out["tensors_ok"] = same(tensors, [item(i) for i in range(n)])
+        order = [i for r in range(world) for i in range(n) if owner_of(i, world) == r]
+        out["objects_ok"] = same(objects, [obj(i) for i in order])
+        out["rows_ok"] = same(rows, [torch.full((3,), float(i)) for i in range(n)])
+        out["row_storage"] = max(
+            r.untyped_storage().nbytes() for i, r in enumerate(rows) if owner_of(i, world) != 0
+        )
+        out["nothing"] = nothing
+        return out
+    finally:
+        rd.destroy_process_group()
+
+
+def gather_fault(rank: int, kind: str, culprit: int) -> Any:
+    """Every rank gathers; ``culprit`` misbehaves in the way ``kind`` says."""
+    _init(FAST)
+    t0 = time.monotonic()
+    try:
+        data: list[Any] = [torch.full((2,), float(rank))] * 3
+        indices = [3 * rank + k for k in range(3)]
+        if kind == "kill_mid_stream":
+            data = [{"value": d} for d in data]  # objects on every rank, like the bomb
+        if rank == culprit:
+            if kind == "dtype":
+                data = [d.double() for d in data]
+            elif kind == "objects":
+                data = [{"x": 1}] * 3
+            elif kind == "no_indices":
+                indices = None  # type: ignore[assignment]
+            elif kind == "duplicate":
+                indices = [0, 1, 2]  # rank 0's
+            elif kind == "missing":
+                indices = [3 * rank, 3 * rank + 1, 100]
+            elif kind == "other_op":
+                return error_summary_or(lambda: rd.barrier(validate=True), t0)
+            elif kind == "late":
+                slow_data_loader(30)
+            elif kind == "kill_mid_stream":
+                data = [torch.zeros(1000)] * 5 + [_Bomb()] + data
+                indices = list(range(100, 106)) + indices
+        num_items = 9 if kind == "missing" else None
+        t0 = time.monotonic()
+        rd.gather_to_rank0(data, indices=indices, num_items=num_items, chunk_bytes=4096)
+        return "no error"
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+
+
+def error_summary_or(fn: Any, t0: float) -> Any:
+    try:
+        fn()
+        return "no error"
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+
+
+class _Bomb:
+    """Kills its process when pickled: a rank that dies in the middle of a gather."""
+
+    def __reduce__(self) -> Any:
+        kill_self()
+        raise AssertionError("unreachable")
+
+
+def gather_memory(rank: int, mib: int, chunk_mib: int, how: str) -> Any:
+    """Peak RSS growth (MiB) on this rank while gathering ``mib`` MiB of its own rows."""
+    _init({"op_timeout": 30.0})
+    try:
+        rows = list(torch.randn(mib * 256, 1024).unbind(0))  # 4 KiB per row
+        rd.barrier()
+        before = _peak_mib()
+        if how == "ours":
+            rd.gather_to_rank0(rows, chunk_bytes=chunk_mib << 20)
+        else:
+            rd.all_gather_object(rows)
+        return _peak_mib() - before
+    finally:
+        rd.destroy_process_group()
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- state sharing ---------------------------------------------------------------------------
+def share_state(rank: int, chunk_bytes: int) -> Any:
+    _init(FAST)
+    try:
+        sent = state() if rank == 0 else None
+        got = rd.broadcast_state_dict(sent, src=0, chunk_bytes=chunk_bytes)
+        return {"same": same(got, state()), "is_sent": got is sent}
+    finally:
+        rd.destroy_process_group()
+
+
+def load_shared(rank: int, path: str) -> Any:
+    _init(FAST)
+    t0 = time.monotonic()
+    try:
+        got = rd.load_and_broadcast(path, src=1)
+        return {"same": same(got, state())}
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    except FileNotFoundError as e:
+        return {"type": type(e).__name__, "elapsed": time.monotonic() - t0}
+    finally:
+        rd.destroy_process_group()
+
+
+def share_state_src_dies(rank: int) -> Any:
+    _init(FAST)
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            kill_self()
+        rd.broadcast_state_dict(None, src=0)
+        return "no error"
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+
+
+# -- distributed inference -------------------------------------------------------------------
+class Items(torch.utils.data.Dataset[dict[str, Any]]):
+    """Items of uneven cost: ``length`` features drawn from the item's own seed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def cost(self, i: int) -> float:
+        # Item 0 costs as much as a quarter of the rest: its rank gets far fewer items (and
+        # runs far fewer forwards) than the others.
+        return 300.0 if i == 0 else float(1 + (i * 7919) % 23)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(i)
+        return {"index": i, "x": torch.randn(8, generator=g), "label": i % 3}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    # Buffers that differ from their defaults: a silently skipped sync would show.
+    m[1].running_mean.uniform_(-1, 1)
+    m[1].running_var.uniform_(0.5, 2)
+    return m.eval()
+
+
+def reference(n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Predictions and logits computed on one process, item by item."""
+    m = model()
+    data = Items(n)
+    with torch.no_grad():
+        logits = [m(data[i]["x"][None])[0] for i in range(n)]
+    return [int(t.argmax()) for t in logits], logits
+
+
+def inference(rank: int, n: int, fail_at: int | None) -> Any:
+    _init(FAST)
+    t0 = time.monotonic()
+    try:
+        ddp = rd.ResilientDDP(model())
+        rd.barrier()  # the clock starts when every rank starts the loop
+        t0 = time.monotonic()
+        data = Items(n)
+        calls: list[tuple[int, int]] = []
+        batches = [0]
+
+        def fn(batch: dict[str, Any]) -> dict[str, Any]:
+            batches[0] += 1
+            if fail_at is not None and rank == 2 and batches[0] == fail_at:
+                raise ValueError("injected failure in fn")
+            return {"index": batch["index"], "logits": ddp(batch["x"])}
+
+        out = rd.distributed_inference(
+            fn,
+            data,
+            batch_size=4,
+            costs=[data.cost(i) for i in range(n)],
+            progress=lambda done, total: calls.append((done, total)),
+        )
+        if rank != 0:
+            return {"none": out is None, "batches": batches[0]}
+        assert out is not None
+        preds, logits = reference(n)
+        return {
+            "batches": batches[0],
+            "n": len(out),
+            "in_order": [int(r["index"]) for r in out] == list(range(n)),
+            "accuracy": sum(
+                int(r["logits"].argmax()) == data[i]["label"] for i, r in enumerate(out)
+            ),
+            "ref_accuracy": sum(p == data[i]["label"] for i, p in enumerate(preds)),
+            "max_diff": max(
+                float((r["logits"] - t).abs().max()) for r, t in zip(out, logits, strict=True)
+            ),
+            "calls": calls,
+        }
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()

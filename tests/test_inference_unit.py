@@ -1,0 +1,76 @@
+"""Single-process parts of distributed inference: splitting results, the progress bar, the
+wire format of gathered entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resilient_ddp import ConfigError
+from resilient_ddp._wire import dumps, loads
+from resilient_ddp.inference import _Bar, _split
+
+
+def test_split_gives_one_result_per_item() -> None:
+    out = _split(torch.arange(6).reshape(3, 2), 3)
+    assert [t.tolist() for t in out] == [[0, 1], [2, 3], [4, 5]]
+    assert _split(["a", "b"], 2) == ["a", "b"]
+    rows = _split({"y": torch.tensor([1, 2]), "name": ["p", "q"]}, 2)
+    assert [(int(r["y"]), r["name"]) for r in rows] == [(1, "p"), (2, "q")]
+    pairs = _split((torch.tensor([5, 6]), ["u", "v"]), 2)
+    assert [(int(a), b) for a, b in pairs] == [(5, "u"), (6, "v")]
+
+
+@pytest.mark.parametrize(
+    ("out", "said"),
+    [
+        (torch.zeros(4, 2), "a tensor of shape (4, 2)"),
+        (torch.tensor(1.0), "a tensor of shape ()"),
+        (["a"], "a list of 1"),
+        (3.5, "a float"),
+    ],
+)
+def test_split_rejects_results_that_are_not_one_per_item(out: object, said: str) -> None:
+    with pytest.raises(ConfigError, match="for a batch of 3 item") as info:
+        _split(out, 3)
+    assert said in str(info.value)
+    assert "first dimension 3" in str(info.value)
+
+
+def test_progress_bar_prints_a_line_per_tenth_without_a_tty(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bar = _Bar(200)
+    for done in range(0, 201, 5):
+        bar.update(done, 200)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10  # 10 %, 20 %, ..., 100 %
+    assert lines[-1].startswith("inference [")
+    assert "200/200 items (100%" in lines[-1]
+
+
+def test_compact_pickling_sends_a_view_without_its_base() -> None:
+    batch = torch.randn(1000, 16)
+    row = loads(dumps({"row": batch[7], "n": 1}, compact_tensors=True))
+    assert torch.equal(row["row"], batch[7])
+    assert row["row"].untyped_storage().nbytes() == 16 * 4
+    whole = dumps(batch[7])  # torch's own pickling keeps the base
+    assert whole.numel() > 1000 * 16 * 4
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.tensor(3.5),
+        torch.empty(0, 4),
+        torch.tensor([True, False]),
+        torch.randn(3, 2).to(torch.bfloat16),
+        torch.randn(4, 3).t(),
+        torch.randn(2, dtype=torch.complex64),
+    ],
+)
+def test_compact_pickling_keeps_dtype_shape_and_values(t: torch.Tensor) -> None:
+    back = loads(dumps(t, compact_tensors=True))
+    assert back.dtype == t.dtype
+    assert back.shape == t.shape
+    assert torch.equal(back, t)
