@@ -301,12 +301,15 @@ class _Op:
                     try:
                         work.wait(timedelta(seconds=max(_MIN_SLICE_S, min(slice_s, remaining))))
                         return
-                    except RuntimeError as e:
+                    except RuntimeError:
                         if not work.is_completed():
                             continue  # this slice ran out; the op goes on (FINDINGS)
+                        error = _completed_with(work)
+                        if error is None:
+                            return  # it completed just after the slice ran out
                         if rt.failed_for(self.seq):
-                            raise rt.build_error(self.name, self.seq) from e
-                        self._explain_backend_error(e)
+                            raise rt.build_error(self.name, self.seq) from error
+                        self._explain_backend_error(error)
                 slice_end = self._attempt_timed_out()
         finally:
             if not work.is_completed():
@@ -419,6 +422,20 @@ class _Op:
             message = f"{head}; every rank arrived but the data plane did not complete the op"
         err = cls(message, culprits=objs, op=self.name, seq=self.seq, generation=rt.generation)
         raise err from cause
+
+
+def _completed_with(work: Any) -> BaseException | None:
+    """The error of a completed ``work``, or None if it succeeded.
+
+    A wait whose slice runs out raises even when the op completes a moment later, before
+    ``is_completed()`` is asked: waiting again on a completed work returns at once, or
+    raises the op's own error.
+    """
+    try:
+        work.wait(timedelta(seconds=_MAX_SLICE_S))
+    except RuntimeError as e:
+        return e
+    return None
 
 
 def _as_final(op: _Op, cause: BaseException) -> RankFailureError:
