@@ -313,6 +313,38 @@ def render_ddp_step(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+@renderer("gather")
+def render_gather(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    lines = [
+        f"{setup.get('world_size', '?')} ranks, gloo on CPU; every rank holds "
+        f"{setup.get('data_per_rank_mib', '?')} MiB of results as "
+        f"{setup.get('row_bytes', '?')}-byte rows (one tensor per item) and rank 0 needs all "
+        f"of them. Each variant runs in fresh processes. {setup.get('statistic', '')}.",
+        "",
+    ]
+    rows = [
+        [
+            r["label"],
+            f"{r['rank0_median_s'] * 1000:.0f}",
+            *(f"{g:.0f}" for g in r["peak_growth_mib"]),
+        ]
+        for r in data.get("rows", [])
+    ]
+    ranks = len(data.get("rows", [{}])[0].get("peak_growth_mib", [])) if rows else 0
+    header = ["variant", "rank 0 ms", *(f"rank {r} peak +MiB" for r in range(ranks))]
+    lines += md_table(header, rows, align="l" + "r" * (1 + ranks))
+    lines += [
+        "",
+        "Reading these figures: only `rd.gather_to_rank0` and `gather_object` leave the "
+        "results on rank 0 alone; `gather_object` pickles each rank's whole list first (a "
+        "second copy of its data) and returns rank order. `all_gather` is fast but needs "
+        "equal shapes on every rank and puts everything on every rank.",
+        "",
+    ]
+    return lines
+
+
 @renderer("sampler")
 def render_sampler(data: dict[str, Any]) -> list[str]:
     setup = data.get("setup", {})

@@ -303,3 +303,25 @@ def inference(rank: int, n: int, fail_at: int | None) -> Any:
         return error_summary(e, t0)
     finally:
         rd.destroy_process_group()
+
+
+def gather_slow_receiver(rank: int, delay: float) -> Any:
+    """Rank 0 takes ``delay`` seconds over each received piece: the senders wait longer
+    than one wait slice (0.25 s) in every round, which must not fail the gather."""
+    import resilient_ddp.gather as gather_module
+
+    _init(FAST)
+    try:
+        if rank == 0:
+            parse = gather_module._parse
+
+            def slow_parse(piece: torch.Tensor) -> Any:
+                time.sleep(delay)
+                return parse(piece)
+
+            gather_module._parse = slow_parse  # type: ignore[assignment]
+        mine = list(range(rank, 12, 3))
+        out = rd.gather_to_rank0([item(i) for i in mine], indices=mine, chunk_bytes=1)
+        return None if out is None else same(out, [item(i) for i in range(12)])
+    finally:
+        rd.destroy_process_group()

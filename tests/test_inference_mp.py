@@ -164,3 +164,8 @@ def test_distributed_inference_failure_in_fn_is_named_on_every_rank() -> None:
         assert v["ranks"] == [2]
         assert v["exc_type"] == "ValueError"
         assert v["elapsed"] < 2.0
+
+
+def test_gather_survives_a_receiver_slower_than_one_wait_slice() -> None:
+    values = _values(w.gather_slow_receiver, 3, 0.4)
+    assert values == {0: True, 1: None, 2: None}

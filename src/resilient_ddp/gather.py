@@ -10,10 +10,10 @@ rank order. Here:
 1. the ranks exchange a fixed-size header (entry count, kind of entries, whether indices
    were given), so a dtype mismatch or a rank that passed objects where the others passed
    tensors is a :class:`CollectiveMismatchError` on every rank before any data moves;
-2. each rank ``r > 0`` streams its entries to rank 0 with point-to-point sends, in pieces of
-   about ``chunk_bytes`` (a piece is a run of pickled entries), while rank 0 receives from
-   every rank at once, one piece per rank per round: a non-zero rank never holds more than
-   its own data plus one piece, and never anyone else's data;
+2. each rank ``r > 0`` streams its entries to rank 0 in pieces of about ``chunk_bytes`` (a
+   piece is a run of pickled entries), one piece per rank per round, each round an uneven
+   ``all_to_all_single`` in which only rank 0 receives (no padding): a non-zero rank never
+   holds more than its own data plus one piece, and never anyone else's data;
 3. rank 0 restores dataset order from the indices, checks that no index is duplicated (or
    missing, with ``num_items``), and broadcasts its verdict, so that an index problem is the
    same error on every rank.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -142,16 +142,14 @@ def _gather(
     rows = [h.tolist() for h in headers]
     _check_headers(o, rows)
     o.renew()
-    # 2. Stream: ranks > 0 send, rank 0 receives from all of them at once.
-    if rank != 0:
-        _send(o, entries, idx, chunk_bytes, device)
-        result = None
-        problem = None
-    else:
-        parts, part_idx = _receive(o, rows, device)
+    # 2. Stream: rounds of one piece per rank, all to rank 0.
+    parts, part_idx = _stream(o, entries, idx, chunk_bytes, device)
+    result: list[Any] | None = None
+    problem = None
+    if rank == 0:
         parts[0] = [_to_cpu(e) for e in entries]
-        part_idx[0] = idx
-        result, problem = _assemble(o, parts, part_idx, num_items)
+        part_idx[0] = [idx] if idx is not None else []
+        result, problem = _assemble(o, parts, part_idx, idx is not None, num_items)
     # 3. Verdict: an index problem found by rank 0 is raised on every rank.
     _share_verdict(o, problem, device)
     return result
@@ -194,22 +192,70 @@ def _check_headers(o: _Op, rows: list[list[int]]) -> None:
 
 
 # -- streaming -------------------------------------------------------------------------------
-def _send(
+def _stream(
     o: _Op, entries: list[Any], idx: torch.Tensor | None, chunk_bytes: int, device: torch.device
-) -> None:
-    if not entries:
-        return
+) -> tuple[list[list[Any]], list[list[torch.Tensor]]]:
+    """Move every rank's pieces to rank 0, one piece per rank per round.
+
+    A round is two collectives: an all-gather of the pieces' sizes (all zero: done, on every
+    rank at once), then an uneven ``all_to_all_single`` in which each rank sends its piece
+    to rank 0 only. Collectives rather than point-to-point sends: a gloo send whose wait
+    times out is failed for good, so it could not be waited on slice by slice.
+
+    Returns:
+        On rank 0, every rank's entries and index tensors (rank 0's own left empty);
+        elsewhere, empty lists.
+    """
+    rank, world = o.rt.rank, dist.get_world_size()
     cuda = device.type == "cuda"
-    if idx is not None:
-        o.wait(dist.isend(idx.to(device), 0), cuda=cuda)
+    pieces = _pieces(entries, idx, chunk_bytes) if rank != 0 else iter(())
+    parts: list[list[Any]] = [[] for _ in range(world)]
+    part_idx: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    while True:
+        piece = next(pieces, None)
+        piece = empty if piece is None else piece.to(device)
+        size = torch.tensor([piece.numel()], dtype=torch.int64, device=device)
+        sizes_t = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world)]
+        o.wait(dist.all_gather(sizes_t, size, async_op=True), cuda=cuda)
+        sizes = [int(t) for t in sizes_t]
+        if not any(sizes):
+            return parts, part_idx
+        received = torch.empty(sum(sizes) if rank == 0 else 0, dtype=torch.uint8, device=device)
+        work = dist.all_to_all_single(
+            received,
+            piece,
+            output_split_sizes=sizes if rank == 0 else [0] * world,
+            input_split_sizes=[piece.numel()] + [0] * (world - 1),
+            async_op=True,
+        )
+        o.wait(work, cuda=cuda)
+        o.renew()
+        del piece
+        if rank == 0:
+            for r, chunk in enumerate(torch.split(received, sizes)):
+                if sizes[r]:
+                    got, ids = _parse(chunk)
+                    parts[r].extend(got)
+                    if ids is not None:
+                        part_idx[r].append(ids)
+
+
+def _pieces(
+    entries: list[Any], idx: torch.Tensor | None, chunk_bytes: int
+) -> Iterator[torch.Tensor]:
+    """This rank's entries as pieces of about ``chunk_bytes`` (at least one entry each).
+
+    A piece is ``[entry]... [indices] [count] [has indices]``: each entry is its own pickle
+    behind its length, so that rank 0 unpickles it straight from the received buffer; the
+    entries' int64 indices and two int64 counters close the piece.
+    """
     start = 0
     while start < len(entries):
         buf = io.BytesIO()
         pickler = CompactPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
         end = start
         while end < len(entries) and (end == start or buf.tell() < chunk_bytes):
-            # Each entry is its own pickle behind its length, so that rank 0 unpickles it
-            # straight from the received buffer.
             at = buf.tell()
             buf.write(bytes(_LEN))
             pickler.dump(entries[end])
@@ -219,61 +265,50 @@ def _send(
             buf.write((after - at - _LEN).to_bytes(_LEN, "little"))
             buf.seek(after)
             end += 1
-        piece = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8).to(device)
-        size = torch.tensor([piece.numel()], dtype=torch.int64, device=device)
-        works = [dist.isend(size, 0), dist.isend(piece, 0)]
-        for w in works:
-            o.wait(w, cuda=cuda)
-        o.renew()
-        del piece
+        if idx is not None:
+            buf.write(buffer_of(idx[start:end].contiguous().view(torch.uint8)))
+        buf.write(_int64s(end - start, int(idx is not None)))
+        yield torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
         start = end
 
 
-def _receive(
-    o: _Op, rows: list[list[int]], device: torch.device
-) -> tuple[list[list[Any]], list[torch.Tensor | None]]:
-    world = len(rows)
-    cuda = device.type == "cuda"
-    want = [r[0] for r in rows]
-    parts: list[list[Any]] = [[] for _ in range(world)]
-    part_idx: list[torch.Tensor | None] = [None] * world
-    active = [r for r in range(1, world) if want[r] > 0]
-    if rows[0][2]:  # indices first, straight into their final tensors
-        idx_works = []
-        for r in active:
-            t = torch.empty(want[r], dtype=torch.int64, device=device)
-            part_idx[r] = t
-            idx_works.append(dist.irecv(t, r))
-        for w in idx_works:
-            o.wait(w, cuda=cuda)
-        part_idx = [t.cpu() if t is not None else None for t in part_idx]
-    while active:
-        sizes = {r: torch.empty(1, dtype=torch.int64, device=device) for r in active}
-        size_works = [dist.irecv(sizes[r], r) for r in active]
-        for w in size_works:
-            o.wait(w, cuda=cuda)
-        pieces = {r: torch.empty(int(sizes[r]), dtype=torch.uint8, device=device) for r in active}
-        piece_works = [dist.irecv(pieces[r], r) for r in active]
-        for w in piece_works:
-            o.wait(w, cuda=cuda)
-        o.renew()
-        for r in active:
-            parts[r].extend(_entries(pieces.pop(r)))
-        active = [r for r in active if len(parts[r]) < want[r]]
-    return parts, part_idx
+def _int64s(*values: int) -> bytes:
+    return b"".join(v.to_bytes(_LEN, "little", signed=True) for v in values)
+
+
+def _parse(piece: torch.Tensor) -> tuple[list[Any], torch.Tensor | None]:
+    """The entries and indices of one received piece (see :func:`_pieces`)."""
+    view = buffer_of(piece)
+    end = len(view)
+    count = int.from_bytes(view[end - 2 * _LEN : end - _LEN], "little", signed=True)
+    has_idx = int.from_bytes(view[end - _LEN : end], "little", signed=True)
+    end -= 2 * _LEN
+    ids = None
+    if has_idx:
+        ids = torch.frombuffer(bytearray(view[end - count * _LEN : end]), dtype=torch.int64)
+        end -= count * _LEN
+    out = []
+    at = 0
+    while at < end:
+        size = int.from_bytes(view[at : at + _LEN], "little")
+        at += _LEN
+        out.append(pickle.loads(view[at : at + size]))  # noqa: S301 - the peers of one job
+        at += size
+    return out, ids
 
 
 def _assemble(
     o: _Op,
     parts: list[list[Any]],
-    part_idx: list[torch.Tensor | None],
+    part_idx: list[list[torch.Tensor]],
+    has_idx: bool,
     num_items: int | None,
 ) -> tuple[list[Any], dict[str, Any] | None]:
     flat = [e for p in parts for e in p]
-    if part_idx[0] is None:
+    if not has_idx:
         return flat, None
     counts = [len(p) for p in parts]
-    idx = torch.cat([t if t is not None else torch.empty(0, dtype=torch.int64) for t in part_idx])
+    idx = torch.cat([t for ts in part_idx for t in ts] or [torch.empty(0, dtype=torch.int64)])
     owner = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(counts))
     problem = _index_problem(idx, owner, counts, num_items, o.seq)
     if problem is not None:
@@ -389,16 +424,3 @@ def _kind_name(kind: int) -> str:
 
 def _to_cpu(entry: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), entry)
-
-
-def _entries(piece: torch.Tensor) -> list[Any]:
-    """The entries of one received piece: (length, pickle) pairs, one after another."""
-    view = buffer_of(piece)
-    out = []
-    at = 0
-    while at < len(view):
-        size = int.from_bytes(view[at : at + _LEN], "little")
-        at += _LEN
-        out.append(pickle.loads(view[at : at + size]))  # noqa: S301 - the peers of one job
-        at += size
-    return out
