@@ -258,7 +258,9 @@ def reference(n: int) -> tuple[list[int], list[torch.Tensor]]:
     return [int(t.argmax()) for t in logits], logits
 
 
-def inference(rank: int, n: int, fail_at: int | None) -> Any:
+def inference(rank: int, n: int, fail_at: int | None, pause: float = 0.0) -> Any:
+    """Evaluate ``model()`` over ``Items(n)``; rank 2 raises at its batch ``fail_at``, or
+    sleeps ``pause`` seconds in each of its batches."""
     _init(FAST)
     t0 = time.monotonic()
     try:
@@ -273,6 +275,8 @@ def inference(rank: int, n: int, fail_at: int | None) -> Any:
             batches[0] += 1
             if fail_at is not None and rank == 2 and batches[0] == fail_at:
                 raise ValueError("injected failure in fn")
+            if rank == 2 and pause:
+                slow_data_loader(pause)
             return {"index": batch["index"], "logits": ddp(batch["x"])}
 
         out = rd.distributed_inference(

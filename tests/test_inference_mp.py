@@ -169,3 +169,25 @@ def test_distributed_inference_failure_in_fn_is_named_on_every_rank() -> None:
 def test_gather_survives_a_receiver_slower_than_one_wait_slice() -> None:
     values = _values(w.gather_slow_receiver, 3, 0.4)
     assert values == {0: True, 1: None, 2: None}
+
+
+def test_distributed_inference_waits_for_a_slow_rank_that_makes_progress() -> None:
+    # Rank 2 needs about 10 x 0.5 s, far beyond the 1.5 s op timeout, but finishes a batch
+    # every 0.5 s: the others wait for it instead of timing out.
+    values = _values(w.inference, 3, w.N_ITEMS, None, 0.5)
+    assert values[0]["n"] == w.N_ITEMS
+    assert values[0]["in_order"]
+
+
+def test_distributed_inference_names_a_stuck_rank_with_its_stack() -> None:
+    outcomes = run_ranks(
+        w.inference, 3, (w.N_ITEMS, None, 30.0), timeout=DEADLINE, grace=timedelta(seconds=2)
+    )
+    for r in (0, 1):
+        v = outcomes[r].value
+        assert isinstance(v, dict), format_outcomes(outcomes)
+        assert v["type"] == "CollectiveTimeoutError", v
+        assert v["ranks"] == [2]
+        assert "slow_data_loader" in v["stacks"][0]
+        assert "phase 'inference'" in v["message"]
+        assert v["elapsed"] < w.FAST["op_timeout"] + 2.0

@@ -26,6 +26,7 @@ from ._backend import comm_device
 from ._wire import dumps, loads
 from .collectives import Duration, _Op, _sig
 from .errors import ConfigError, Culprit, RankFailureError
+from .process_group import ensure_runtime
 
 __all__ = ["broadcast_state_dict", "load_and_broadcast"]
 
@@ -67,9 +68,10 @@ def broadcast_state_dict(
             responding; names it.
         CollectiveTimeoutError: A rank never called it; names the rank.
         CollectiveMismatchError: Ranks passed different ``src``.
-        ConfigError: ``src`` out of range or ``chunk_bytes`` not positive.
+        ConfigError: ``src`` out of range, ``chunk_bytes`` not positive, no process group,
+            or (on ``src``) a sparse or quantized tensor in ``state_dict``.
     """
-    world = dist.get_world_size()
+    world = ensure_runtime().world_size
     if not 0 <= src < world:
         raise ConfigError(f"src should be in [0, {world - 1}], got {src}")
     if chunk_bytes < 1:
@@ -111,9 +113,10 @@ def load_and_broadcast(
             checkpoint (the culprit holds its exception); ``src`` raises that exception.
         Others: as :func:`broadcast_state_dict`.
     """
+    rt = ensure_runtime()
     error: BaseException | None = None
     obj: Any = None
-    if dist.get_rank() == src:
+    if rt.rank == src:
         try:
             obj = (
                 path()
@@ -129,18 +132,24 @@ def load_and_broadcast(
     if error is not None:
         raise error
     if isinstance(shared, _LoadFailed):
-        raise RankFailureError(
-            f"rank {src} could not load the checkpoint {path!r}: {shared.exc_type}: "
-            f"{shared.message}",
-            culprits=[
-                Culprit(
-                    rank=src,
-                    what=f"raised {shared.exc_type} while loading",
-                    exc_type=shared.exc_type,
-                    exc_message=shared.message,
-                )
-            ],
+        # The group itself is healthy (the failure was reported through it): unlike a
+        # peer's crash, this error does not fail later ops.
+        info = rt.infos.get(src, {})
+        culprit = Culprit(
+            rank=src,
+            host=str(info.get("host", "?")),
+            pid=int(info.get("pid", 0)),
+            what=f"raised {shared.exc_type} while loading {path!r}",
             op="load_and_broadcast",
+            exc_type=shared.exc_type,
+            exc_message=shared.message,
+        )
+        raise RankFailureError(
+            f"load_and_broadcast on rank {rt.rank}: rank {src} could not load the checkpoint; "
+            f"culprit rank(s): {src}\n{culprit.describe()}",
+            culprits=[culprit],
+            op="load_and_broadcast",
+            generation=rt.generation,
         )
     return shared
 

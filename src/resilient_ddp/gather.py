@@ -40,7 +40,7 @@ from .errors import CollectiveMismatchError, ConfigError
 
 __all__ = ["gather_to_rank0"]
 
-DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 _HEADER = 4  # [entries, kind, has indices, num_items]
 _LEN = 8  # bytes of the length in front of each entry's pickle
 _KIND_NONE = -1  # no entries: agrees with every kind
@@ -86,7 +86,7 @@ def gather_to_rank0(
         timeout: Longest wait for one piece to move (timedelta or seconds; default
             ``config.op_timeout``). The gather as a whole is not bounded: it may take as
             long as the data needs while pieces keep moving.
-        chunk_bytes: Target size of one piece, in bytes (default 16 MiB). It bounds the
+        chunk_bytes: Target size of one piece, in bytes (default 4 MiB). It bounds the
             extra memory of a sending rank (one piece, or one entry if an entry is larger).
 
     Returns:
@@ -394,7 +394,10 @@ def _index_tensor(indices: Sequence[int] | torch.Tensor | None, n: int) -> torch
         return None
     idx = torch.as_tensor(indices)
     if idx.dim() != 1 or (idx.numel() and (idx.is_floating_point() or idx.is_complex())):
-        raise ConfigError(f"indices should be a 1-d sequence of ints, got {tuple(idx.shape)}")
+        raise ConfigError(
+            "indices should be a 1-d sequence of ints, got a tensor of shape "
+            f"{tuple(idx.shape)} and dtype {str(idx.dtype).removeprefix('torch.')}"
+        )
     if idx.numel() != n:
         raise ConfigError(
             f"indices should give one index per entry of data: {idx.numel()} indices for "

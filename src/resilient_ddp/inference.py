@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from ._runtime import Runtime
-from .collectives import Duration
+from .collectives import Duration, _Op
 from .errors import ConfigError
 from .gather import gather_to_rank0
 from .process_group import ensure_runtime
@@ -72,7 +72,10 @@ def distributed_inference(
         progress: ``True`` shows a progress bar of all ranks' items on rank 0 (stderr);
             a callable is called on rank 0 with ``(items_done, items_total)`` about twice a
             second instead; ``False`` shows nothing.
-        timeout: The final gather's per-piece timeout (see :func:`gather_to_rank0`).
+        timeout: How long a rank may go without finishing a batch while the others wait
+            for it at the end, and the final gather's per-piece timeout (timedelta or
+            seconds; default ``config.op_timeout``). A slow rank that keeps finishing batches
+            is waited for as long as it needs.
 
     Returns:
         On rank 0, a list with one result per dataset item, ``result[i]`` for
@@ -86,7 +89,7 @@ def distributed_inference(
         CollectiveMismatchError: Ranks returned results of different kinds or dtypes.
     """
     if batch_size < 1:
-        raise ConfigError(f"batch_size should be at least 1, got {batch_size}")
+        raise ConfigError(f"batch_size should be >= 1, got {batch_size}")
     if not isinstance(dataset, Sized):
         raise ConfigError(
             f"distributed_inference needs a map-style dataset with len(), got "
@@ -97,24 +100,73 @@ def distributed_inference(
     sampler = BalancedDistributedSampler(
         dataset, dist.get_world_size(), rt.rank, costs=costs, cost_fn=cost_fn
     )
-    mine = sampler.plan()[rt.rank].tolist()
-    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    plan = sampler.plan()
+    mine = plan[rt.rank]
+    if costs is not None:
+        # Most costly first: a batch holds items of similar cost (less padding), and the
+        # long items do not all come last.
+        cost = torch.as_tensor(costs, dtype=torch.float64)[mine]
+        mine = mine[torch.argsort(cost, descending=True, stable=True)]
+    order = mine.tolist()
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     loader: DataLoader[Any] = DataLoader(
         dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers
     )
     results: list[Any] = []
     step, phase = rt.step, rt.phase
+    with _Progress(rt, total, progress) as bar:
+        with _local_forward(rt), torch.no_grad():
+            for i, (items, batch) in enumerate(zip(batches, loader, strict=True)):
+                rt.step, rt.phase = i, "inference"
+                results.extend(_split(fn(batch), len(items)))
+                bar.advance(len(items))
+        rt.phase = "waiting for peers"
+        _await_peers(rt, [len(p) for p in plan], timeout)
+        rt.phase = "gather"
+        out = gather_to_rank0(results, indices=order, num_items=total, timeout=timeout)
+    # Left as they were on an error: the failure report says where this rank was.
+    rt.step, rt.phase = step, phase
+    return out
+
+
+def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
+    """Return once every rank has processed its share.
+
+    Ranks with lighter shares wait here rather than in the gather, so that a slow rank
+    that keeps finishing batches is never timed out, while a stuck one still is: an
+    unfinished rank whose count (from its heartbeat) stays the same for ``timeout`` is
+    named with its stack, as a collective would name it.
+
+    Raises:
+        CollectiveTimeoutError: An unfinished rank made no progress for ``timeout``.
+        RankFailureError: A rank crashed, raised or left meanwhile.
+    """
+    o = _Op("distributed_inference", None, timeout, None, 1, False)
     try:
-        with _Progress(rt, total, progress) as bar:
-            with _local_forward(rt), torch.no_grad():
-                for i, (items, batch) in enumerate(zip(batches, loader, strict=True)):
-                    rt.step, rt.phase = i, "inference"
-                    results.extend(_split(fn(batch), len(items)))
-                    bar.advance(len(items))
-            rt.phase = "gather"
-            return gather_to_rank0(results, indices=mine, num_items=total, timeout=timeout)
+        if rt.watchdog is not None:
+            rt.watchdog.poke()  # publish this rank's final count now, not at the next beat
+        interval = min(0.1, rt.config.heartbeat_interval.total_seconds())
+        seen: dict[int, tuple[int, float]] = {}
+        ranks = list(range(rt.world_size))
+        while True:
+            if rt.failed_for(o.seq):
+                raise rt.build_error(o.name, o.seq)
+            states = rt.control.read_states(ranks)
+            now = time.monotonic()
+            pending = []
+            for r in ranks:
+                done = int(states.get(r, {}).get("progress") or 0)
+                if done < shares[r]:
+                    pending.append(r)
+                    if seen.get(r, (-1, 0.0))[0] != done:
+                        seen[r] = (done, now)
+            if not pending:
+                return
+            if any(now - seen[r][1] > o.attempt_s for r in pending):
+                o._timed_out(rt.diagnose(rt.control, o.name, o.seq))
+            time.sleep(interval)
     finally:
-        rt.step, rt.phase = step, phase
+        rt.end_op()
 
 
 @contextmanager
