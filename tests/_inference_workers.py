@@ -108,33 +108,46 @@ def gather_healthy(rank: int, world: int, n: int) -> Any:
         rd.destroy_process_group()
 
 
+def _misbehave(  # noqa: PLR0911 - one return per fault
+    kind: str, rank: int, data: list[Any], indices: Any
+) -> tuple[list[Any], Any]:
+    """The culprit's entries and indices for fault ``kind``."""
+    extra: dict[str, Any] = {
+        "unpicklable": {"fn": lambda: 0},  # a lambda cannot be pickled
+        "fails_to_load": _FailsToLoad(),
+    }
+    if kind == "dtype":
+        return [d.double() for d in data], indices
+    if kind == "objects":
+        return [{"x": 1}] * 3, indices
+    if kind == "no_indices":
+        return data, None
+    if kind == "duplicate":
+        return data, [0, 1, 2]  # rank 0's
+    if kind == "missing":
+        return data, [3 * rank, 3 * rank + 1, 100]
+    if kind in extra:
+        return [*data, extra[kind]], [*indices, 99]
+    if kind == "kill_mid_stream":
+        return [torch.zeros(1000)] * 5 + [_Bomb()] + data, list(range(100, 106)) + indices
+    return data, indices
+
+
 def gather_fault(rank: int, kind: str, culprit: int) -> Any:
     """Every rank gathers; ``culprit`` misbehaves in the way ``kind`` says."""
     _init(FAST)
     t0 = time.monotonic()
     try:
         data: list[Any] = [torch.full((2,), float(rank))] * 3
-        indices = [3 * rank + k for k in range(3)]
-        if kind == "kill_mid_stream":
-            data = [{"value": d} for d in data]  # objects on every rank, like the bomb
+        indices: Any = [3 * rank + k for k in range(3)]
+        if kind in ("kill_mid_stream", "unpicklable", "fails_to_load"):
+            data = [{"value": d} for d in data]  # objects on every rank, like the culprit's
         if rank == culprit:
-            if kind == "dtype":
-                data = [d.double() for d in data]
-            elif kind == "objects":
-                data = [{"x": 1}] * 3
-            elif kind == "no_indices":
-                indices = None  # type: ignore[assignment]
-            elif kind == "duplicate":
-                indices = [0, 1, 2]  # rank 0's
-            elif kind == "missing":
-                indices = [3 * rank, 3 * rank + 1, 100]
-            elif kind == "other_op":
+            if kind == "other_op":
                 return error_summary_or(lambda: rd.barrier(validate=True), t0)
-            elif kind == "late":
+            if kind == "late":
                 slow_data_loader(30)
-            elif kind == "kill_mid_stream":
-                data = [torch.zeros(1000)] * 5 + [_Bomb()] + data
-                indices = list(range(100, 106)) + indices
+            data, indices = _misbehave(kind, rank, data, indices)
         num_items = 9 if kind == "missing" else None
         t0 = time.monotonic()
         rd.gather_to_rank0(data, indices=indices, num_items=num_items, chunk_bytes=4096)
@@ -151,6 +164,17 @@ def error_summary_or(fn: Any, t0: float) -> Any:
         return "no error"
     except rd.ResilientDDPError as e:
         return error_summary(e, t0)
+
+
+class _FailsToLoad:
+    """Pickles fine, raises when rank 0 unpickles it."""
+
+    def __reduce__(self) -> Any:
+        return (_explode, ("no such class on rank 0",))
+
+
+def _explode(message: str) -> Any:
+    raise LookupError(message)
 
 
 class _Bomb:
@@ -186,7 +210,8 @@ def share_state(rank: int, chunk_bytes: int) -> Any:
     _init(FAST)
     try:
         sent = state() if rank == 0 else None
-        got = rd.broadcast_state_dict(sent, src=0, chunk_bytes=chunk_bytes)
+        # Receivers follow the sender's chunk size, whatever they pass.
+        got = rd.broadcast_state_dict(sent, src=0, chunk_bytes=chunk_bytes + 77 * rank)
         return {"same": same(got, state()), "is_sent": got is sent}
     finally:
         rd.destroy_process_group()
@@ -202,6 +227,19 @@ def load_shared(rank: int, path: str) -> Any:
         return error_summary(e, t0)
     except FileNotFoundError as e:
         return {"type": type(e).__name__, "elapsed": time.monotonic() - t0}
+    finally:
+        rd.destroy_process_group()
+
+
+def share_unpicklable_state(rank: int) -> Any:
+    _init(FAST)
+    t0 = time.monotonic()
+    try:
+        sent = {"w": torch.eye(3).to_sparse()} if rank == 0 else None
+        rd.broadcast_state_dict(sent, src=0)
+        return "no error"
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
     finally:
         rd.destroy_process_group()
 
@@ -270,9 +308,11 @@ def inference(rank: int, n: int, fail_at: int | None, pause: float = 0.0) -> Any
         data = Items(n)
         calls: list[tuple[int, int]] = []
         batches = [0]
+        items = [0]
 
         def fn(batch: dict[str, Any]) -> dict[str, Any]:
             batches[0] += 1
+            items[0] += len(batch["index"])
             if fail_at is not None and rank == 2 and batches[0] == fail_at:
                 raise ValueError("injected failure in fn")
             if rank == 2 and pause:
@@ -287,11 +327,12 @@ def inference(rank: int, n: int, fail_at: int | None, pause: float = 0.0) -> Any
             progress=lambda done, total: calls.append((done, total)),
         )
         if rank != 0:
-            return {"none": out is None, "batches": batches[0]}
+            return {"none": out is None, "batches": batches[0], "items": items[0]}
         assert out is not None
         preds, logits = reference(n)
         return {
             "batches": batches[0],
+            "items": items[0],
             "n": len(out),
             "in_order": [int(r["index"]) for r in out] == list(range(n)),
             "accuracy": sum(

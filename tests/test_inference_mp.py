@@ -72,6 +72,27 @@ def test_gather_mismatch_is_the_same_error_on_every_rank(kind: str, culprits: li
         assert "missing: [5]" in message
 
 
+def test_gather_entry_a_sender_cannot_pickle_is_named_on_every_rank() -> None:
+    outcomes = run_ranks(w.gather_fault, 3, ("unpicklable", 1), timeout=DEADLINE)
+    assert outcomes[1].exitcode == 1, format_outcomes(outcomes)
+    assert outcomes[1].exc_type in ("PicklingError", "AttributeError"), outcomes[1].exc_type
+    for r in (0, 2):
+        v = outcomes[r].value
+        assert isinstance(v, dict), format_outcomes(outcomes)
+        assert v["type"] == "CollectiveMismatchError", v
+        assert v["ranks"] == [1]
+        assert v["elapsed"] < 2.0
+
+
+def test_gather_entry_rank0_cannot_unpickle_is_named_on_every_rank() -> None:
+    values = _values(w.gather_fault, 3, "fails_to_load", 2)
+    for v in values.values():
+        assert v["type"] == "CollectiveMismatchError", v
+        assert v["ranks"] == [2]
+        assert "LookupError: no such class on rank 0" in v["message"]
+        assert v["elapsed"] < 2.0
+
+
 def test_gather_rank_that_never_calls_is_named_with_its_stack() -> None:
     values = _values(w.gather_fault, 3, "late", 2, ranks=[0, 1], grace=2.0)
     for v in values.values():
@@ -128,6 +149,17 @@ def test_load_and_broadcast_missing_file_is_named_on_every_rank(tmp_path: Path) 
         assert v["elapsed"] < 2.0
 
 
+def test_broadcast_state_dict_source_that_cannot_pickle_is_named() -> None:
+    outcomes = run_ranks(w.share_unpicklable_state, 3, (), timeout=DEADLINE)
+    assert outcomes[0].value["type"] == "ConfigError", format_outcomes(outcomes)
+    assert "dense tensors only" in outcomes[0].value["message"]
+    for r in (1, 2):
+        v = outcomes[r].value
+        assert v["type"] == "CollectiveMismatchError", v
+        assert v["ranks"] == [0]
+        assert v["elapsed"] < 2.0
+
+
 def test_broadcast_state_dict_source_killed_is_named() -> None:
     outcomes = run_ranks(w.share_state_src_dies, 3, (), timeout=DEADLINE)
     for r in (1, 2):
@@ -177,6 +209,10 @@ def test_distributed_inference_waits_for_a_slow_rank_that_makes_progress() -> No
     values = _values(w.inference, 3, w.N_ITEMS, None, 0.5)
     assert values[0]["n"] == w.N_ITEMS
     assert values[0]["in_order"]
+    # Rank 0's progress bar saw the other ranks' items while rank 2 was still going.
+    shares = {r: values[r]["items"] for r in range(3)}
+    seen = [done for done, _ in values[0]["calls"]]
+    assert any(shares[0] < done < w.N_ITEMS for done in seen), (shares, seen)
 
 
 def test_distributed_inference_names_a_stuck_rank_with_its_stack() -> None:

@@ -149,7 +149,9 @@ class Runtime:
         self.section_budget = 0.0
         self.status = "running"
         self.compute_s = 0.0  # median local compute time of recent steps (ResilientDDP)
-        self.progress: int | None = None  # items done so far in distributed_inference
+        # distributed_inference: [call number, items done so far]
+        self.progress: list[int] | None = None
+        self.inference_calls = 0
         self.local_forward = 0  # > 0: ResilientDDP forwards skip DDP's sync (inference)
         self.thread_errors: list[str] = []
         # Failure state.

@@ -7,6 +7,7 @@ import pickle
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 
 def dumps(obj: Any, *, compact_tensors: bool = False) -> torch.Tensor:
@@ -32,7 +33,8 @@ def buffer_of(t: torch.Tensor) -> Any:
     """A bytes-like view of a ``uint8`` tensor's data (a copy only without numpy)."""
     t = t.cpu().contiguous()
     try:
-        return memoryview(t.numpy())  # type: ignore[arg-type] # ndarray is a buffer
+        array: Any = t.numpy()  # Any: numpy may be absent where this is type-checked
+        return memoryview(array)
     except RuntimeError:  # numpy is not installed: slower, same bytes
         return bytes(t.tolist())
 
@@ -50,10 +52,11 @@ class CompactPickler(pickle.Pickler):
         t = obj.detach()
         if t.layout != torch.strided or t.is_quantized:
             return NotImplemented
-        t = t.cpu().contiguous()
+        t = t.resolve_conj().resolve_neg().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8)
         try:
-            buf: Any = pickle.PickleBuffer(raw.numpy())  # type: ignore[arg-type]
+            array: Any = raw.numpy()
+            buf: Any = pickle.PickleBuffer(array)  # copied once, into the stream
         except RuntimeError:  # numpy is not installed
             buf = bytearray(raw.tolist())
         return _rebuild_tensor, (buf, str(t.dtype).removeprefix("torch."), tuple(t.shape))
@@ -64,3 +67,8 @@ def _rebuild_tensor(buf: bytearray, dtype: str, shape: tuple[int, ...]) -> torch
     if not buf:
         return torch.empty(shape, dtype=dt)
     return torch.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in its lists, tuples and dicts detached and on the CPU."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), obj)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ._backend import comm_device
 from ._wire import dumps, loads
 from .collectives import Duration, _Op, _sig
-from .errors import ConfigError, Culprit, RankFailureError
+from .errors import CollectiveMismatchError, ConfigError, Culprit, RankFailureError
 from .process_group import ensure_runtime
 
 __all__ = ["broadcast_state_dict", "load_and_broadcast"]
@@ -61,13 +61,16 @@ def broadcast_state_dict(
 
     Returns:
         On ``src``, ``state_dict`` itself. Elsewhere, an equal structure whose tensors hold
-        ``src``'s values (detached, on ``device``).
+        ``src``'s values (detached, on ``device``). They are views into one buffer of the
+        whole state: load them into a model (``load_state_dict`` copies) rather than keep
+        a few of them, which would keep the whole buffer alive.
 
     Raises:
         RankFailureError: ``src`` (or another rank) crashed, raised, left or stopped
             responding; names it.
         CollectiveTimeoutError: A rank never called it; names the rank.
-        CollectiveMismatchError: Ranks passed different ``src``.
+        CollectiveMismatchError: Ranks passed different ``src``, or (on the other ranks)
+            ``src`` could not pickle ``state_dict``; ``src`` raises its own error.
         ConfigError: ``src`` out of range, ``chunk_bytes`` not positive, no process group,
             or (on ``src``) a sparse or quantized tensor in ``state_dict``.
     """
@@ -140,7 +143,6 @@ def load_and_broadcast(
             host=str(info.get("host", "?")),
             pid=int(info.get("pid", 0)),
             what=f"raised {shared.exc_type} while loading {path!r}",
-            op="load_and_broadcast",
             exc_type=shared.exc_type,
             exc_message=shared.message,
         )
@@ -167,45 +169,64 @@ def _broadcast(
 ) -> Any:
     comm = comm_device(None)
     cuda = comm.type == "cuda"
-    is_src = dist.get_rank() == src
-    # 1. The structure, tensors left out, and each tensor's dtype, shape and offset.
+    is_src = o.rt.rank == src
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    # 1. The structure, tensors left out, and each tensor's dtype, shape and offset; the
+    # sender's chunk size travels with it, so that every rank loops the same way. A sender
+    # that cannot pickle the structure announces size -1 instead.
     tensors: list[torch.Tensor] = []
+    meta = torch.empty(0, dtype=torch.uint8)
+    failed: BaseException | None = None
     if is_src:
-        buf = io.BytesIO()
-        _SkeletonPickler(buf, tensors).dump(state)
-        specs, total = _layout(tensors)
-        meta = dumps((buf.getvalue(), specs, total))
-    size = torch.tensor([meta.numel() if is_src else 0], dtype=torch.int64, device=comm)
+        try:
+            buf = io.BytesIO()
+            _SkeletonPickler(buf, tensors).dump(state)
+            specs, total = _layout(tensors)
+            meta = dumps((buf.getvalue(), specs, total, chunk_bytes))
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            failed = e
+    size = torch.tensor([-1 if failed else meta.numel()], dtype=torch.int64, device=comm)
     o.wait(dist.broadcast(size, src, async_op=True), cuda=cuda)
+    if int(size) < 0:
+        o.rt.mark_raised()
+        if failed is not None:
+            raise failed
+        raise CollectiveMismatchError(
+            f"broadcast_state_dict#{o.seq}: rank {src} could not pickle its state (its own "
+            f"error says why; this rank: {o.rt.rank})",
+            table={src: {"state": "could not be pickled"}},
+            ranks=[src],
+            op="broadcast_state_dict",
+            seq=o.seq,
+        )
     meta_buf = meta.to(comm) if is_src else torch.empty(int(size), dtype=torch.uint8, device=comm)
     o.wait(dist.broadcast(meta_buf, src, async_op=True), cuda=cuda)
     o.renew()
-    skeleton, specs, total = loads(meta_buf) if not is_src else (None, specs, total)
-    # 2. The tensors' bytes as one stream, chunk by chunk: straight into the receivers'
-    # final buffer; src copies one chunk at a time into a staging buffer.
-    flat = torch.empty(0 if is_src else total, dtype=torch.uint8, device=comm)
-    staging = torch.empty(min(chunk_bytes, total) if is_src else 0, dtype=torch.uint8, device=comm)
-    sources = [_bytes_of(t) for t in tensors] if is_src else []
-    for start in range(0, total, chunk_bytes):
-        end = min(start + chunk_bytes, total)
+    skeleton, specs, total, chunk = loads(meta_buf)
+    # 2. The tensors' bytes as one stream, chunk by chunk. Receivers take each chunk into
+    # their final buffer on ``device`` (straight, or through a staging buffer on the
+    # communication device when that differs); src copies one chunk at a time.
+    flat = torch.empty(0 if is_src else total, dtype=torch.uint8, device=target)
+    direct = flat.device == comm
+    staging = torch.empty(
+        min(chunk, total) if is_src or not direct else 0, dtype=torch.uint8, device=comm
+    )
+    for start in range(0, total, chunk):
+        end = min(start + chunk, total)
+        piece = flat[start:end] if direct and not is_src else staging[: end - start]
         if is_src:
-            chunk = staging[: end - start]
-            _fill(chunk, start, sources, specs)
-        else:
-            chunk = flat[start:end]
-        o.wait(dist.broadcast(chunk, src, async_op=True), cuda=cuda)
+            _fill(piece, start, tensors, specs)
+        o.wait(dist.broadcast(piece, src, async_op=True), cuda=cuda)
+        if not is_src and not direct:
+            flat[start:end].copy_(piece)
         o.renew()
     if is_src:
         return state
-    # 3. Rebuild: views into the one buffer, moved to ``device`` when it differs.
-    target = torch.device(device) if device is not None else torch.device("cpu")
+    # 3. Rebuild: views into the one buffer.
     rebuilt = [
         flat[off : off + nbytes].view(getattr(torch, dtype)).reshape(shape)
         for dtype, shape, off, nbytes in specs
     ]
-    if flat.device != target:
-        rebuilt = [t.to(target) for t in rebuilt]
-    assert skeleton is not None
     return _SkeletonUnpickler(io.BytesIO(skeleton), rebuilt).load()
 
 
@@ -219,24 +240,21 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, tuple[int, ...
     return specs, offset
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def _fill(
     chunk: torch.Tensor,
     start: int,
-    sources: list[torch.Tensor],
+    tensors: list[torch.Tensor],
     specs: list[tuple[str, tuple[int, ...], int, int]],
 ) -> None:
     """Copy the stream's bytes ``[start, start + len(chunk))`` from the tensors into
     ``chunk`` (alignment gaps are left as they are: nobody reads them)."""
     end = start + chunk.numel()
-    for src, (_, _, off, nbytes) in zip(sources, specs, strict=True):
+    for t, (_, _, off, nbytes) in zip(tensors, specs, strict=True):
         if off + nbytes <= start or off >= end:
             continue
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         a, b = max(off, start), min(off + nbytes, end)
-        chunk[a - start : b - start].copy_(src[a - off : b - off])
+        chunk[a - start : b - start].copy_(raw[a - off : b - off])
 
 
 class _SkeletonPickler(pickle.Pickler):

@@ -243,7 +243,9 @@ class _Op:
 
         CPU (gloo) work is waited for inside the backend, slice by slice, checking between
         slices for failures the watchdog recorded: the healthy path costs what torch's own
-        wait costs. CUDA work is waited for through its future (see :meth:`wait_pending`).
+        wait costs. CUDA work is waited for through its future (see :meth:`wait_pending`),
+        then the current stream is made to wait for the backend's stream, so that what
+        follows on this stream (``.item()``, a copy, refilling a buffer) sees the result.
 
         Raises:
             RankFailureError: A peer crashed, raised, left or stopped responding.
@@ -257,6 +259,7 @@ class _Op:
         self.rt.register(p)
         p.attach(work)
         self.wait_pending(p, work)
+        work.wait()  # the op completed: this only orders the streams
 
     def wait_pending(self, p: PendingOp, work: Any) -> None:
         """Wait for the registered op ``p`` (backed by ``work``); see :meth:`wait`.

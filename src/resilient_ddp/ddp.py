@@ -132,7 +132,13 @@ class ResilientDDP(DistributedDataParallel):
             rt.raise_if_failed("forward", rt.seq + 1)
             if rt.local_forward:
                 # distributed_inference: ranks run different numbers of forwards, so DDP's
-                # per-forward buffer broadcast would pair up unrelated calls.
+                # per-forward buffer broadcast would pair up unrelated calls. Inputs still
+                # move to the device as DDP would move them.
+                if self.device_ids:
+                    moved, moved_kwargs = self.to_kwargs(  # type: ignore[no-untyped-call]
+                        inputs, kwargs, self.device_ids[0]
+                    )
+                    inputs, kwargs = moved[0], moved_kwargs[0]
                 return self.module(*inputs, **kwargs)
             rt.phase = "forward"
             self._rd_compute_start = time.monotonic()

@@ -27,14 +27,13 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
 
 from ._backend import comm_device
-from ._wire import CompactPickler, buffer_of, dumps, loads
+from ._wire import CompactPickler, buffer_of, dumps, loads, to_cpu
 from .collectives import Duration, _format_table, _Op, _sig
 from .errors import CollectiveMismatchError, ConfigError
 
@@ -142,12 +141,12 @@ def _gather(
     rows = [h.tolist() for h in headers]
     _check_headers(o, rows)
     o.renew()
+    own = [to_cpu(e) for e in entries] if rank == 0 else []  # before rank 0 is awaited
     # 2. Stream: rounds of one piece per rank, all to rank 0.
-    parts, part_idx = _stream(o, entries, idx, chunk_bytes, device)
+    parts, part_idx, problem = _stream(o, entries, idx, chunk_bytes, device)
     result: list[Any] | None = None
-    problem = None
-    if rank == 0:
-        parts[0] = [_to_cpu(e) for e in entries]
+    if rank == 0 and problem is None:
+        parts[0] = own
         part_idx[0] = [idx] if idx is not None else []
         result, problem = _assemble(o, parts, part_idx, idx is not None, num_items)
     # 3. Verdict: an index problem found by rank 0 is raised on every rank.
@@ -194,7 +193,7 @@ def _check_headers(o: _Op, rows: list[list[int]]) -> None:
 # -- streaming -------------------------------------------------------------------------------
 def _stream(
     o: _Op, entries: list[Any], idx: torch.Tensor | None, chunk_bytes: int, device: torch.device
-) -> tuple[list[list[Any]], list[list[torch.Tensor]]]:
+) -> tuple[list[list[Any]], list[list[torch.Tensor]], dict[str, Any] | None]:
     """Move every rank's pieces to rank 0, one piece per rank per round.
 
     A round is two collectives: an all-gather of the pieces' sizes (all zero: done, on every
@@ -202,9 +201,18 @@ def _stream(
     to rank 0 only. Collectives rather than point-to-point sends: a gloo send whose wait
     times out is failed for good, so it could not be waited on slice by slice.
 
+    A rank that cannot pickle an entry announces size -1: every rank then stops at the
+    same round, and that rank re-raises its own error while the others raise a mismatch
+    naming it. An entry that rank 0 cannot unpickle is reported the same way through the
+    verdict, after the remaining rounds are drained.
+
     Returns:
-        On rank 0, every rank's entries and index tensors (rank 0's own left empty);
-        elsewhere, empty lists.
+        On rank 0, every rank's entries and index tensors (rank 0's own left empty), and
+        the problem to report, if any; elsewhere, empty lists and None.
+
+    Raises:
+        CollectiveMismatchError: A rank could not pickle its entries (on the other ranks).
+        Exception: This rank's own pickling error.
     """
     rank, world = o.rt.rank, dist.get_world_size()
     cuda = device.type == "cuda"
@@ -212,15 +220,22 @@ def _stream(
     parts: list[list[Any]] = [[] for _ in range(world)]
     part_idx: list[list[torch.Tensor]] = [[] for _ in range(world)]
     empty = torch.empty(0, dtype=torch.uint8, device=device)
+    problem: dict[str, Any] | None = None
     while True:
-        piece = next(pieces, None)
+        failed: BaseException | None = None
+        try:
+            piece = next(pieces, None)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            failed, piece = e, None
         piece = empty if piece is None else piece.to(device)
-        size = torch.tensor([piece.numel()], dtype=torch.int64, device=device)
+        size = torch.tensor([-1 if failed else piece.numel()], dtype=torch.int64, device=device)
         sizes_t = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world)]
         o.wait(dist.all_gather(sizes_t, size, async_op=True), cuda=cuda)
         sizes = [int(t) for t in sizes_t]
+        if min(sizes) < 0:
+            _raise_unpicklable(o, [r for r, n in enumerate(sizes) if n < 0], failed)
         if not any(sizes):
-            return parts, part_idx
+            return parts, part_idx, problem
         received = torch.empty(sum(sizes) if rank == 0 else 0, dtype=torch.uint8, device=device)
         work = dist.all_to_all_single(
             received,
@@ -232,13 +247,43 @@ def _stream(
         o.wait(work, cuda=cuda)
         o.renew()
         del piece
-        if rank == 0:
+        if rank == 0 and problem is None:
             for r, chunk in enumerate(torch.split(received, sizes)):
-                if sizes[r]:
+                if not sizes[r]:
+                    continue
+                try:
                     got, ids = _parse(chunk)
-                    parts[r].extend(got)
-                    if ids is not None:
-                        part_idx[r].append(ids)
+                except Exception as e:  # noqa: BLE001 - reported on every rank by the verdict
+                    problem = _unpickling_problem(o, r, e)
+                    break
+                parts[r].extend(got)
+                if ids is not None:
+                    part_idx[r].append(ids)
+
+
+def _raise_unpicklable(o: _Op, ranks: list[int], mine: BaseException | None) -> NoReturn:
+    o.rt.mark_raised()
+    if mine is not None:
+        raise mine
+    raise CollectiveMismatchError(
+        f"gather_to_rank0#{o.seq}: rank(s) {ranks} could not pickle their entries (their own "
+        f"error says why; this rank: {o.rt.rank})",
+        table={r: {"entries": "could not be pickled"} for r in ranks},
+        ranks=ranks,
+        op="gather_to_rank0",
+        seq=o.seq,
+    )
+
+
+def _unpickling_problem(o: _Op, rank: int, error: BaseException) -> dict[str, Any]:
+    return {
+        "message": (
+            f"gather_to_rank0#{o.seq}: rank 0 could not unpickle an entry sent by rank {rank}: "
+            f"{type(error).__name__}: {error}"
+        ),
+        "table": {rank: {"entries": f"unpickling failed: {type(error).__name__}"}},
+        "ranks": [rank],
+    }
 
 
 def _pieces(
@@ -423,7 +468,3 @@ def _kind_name(kind: int) -> str:
     if kind == _KIND_OBJECTS:
         return "objects"
     return f"tensor {str(_DTYPES[kind]).removeprefix('torch.')}"
-
-
-def _to_cpu(entry: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), entry)

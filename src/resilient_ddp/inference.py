@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from ._runtime import Runtime
+from ._wire import to_cpu
 from .collectives import Duration, _Op
 from .errors import ConfigError
 from .gather import gather_to_rank0
@@ -71,7 +72,8 @@ def distributed_inference(
         num_workers: DataLoader worker processes per rank.
         progress: ``True`` shows a progress bar of all ranks' items on rank 0 (stderr);
             a callable is called on rank 0 with ``(items_done, items_total)`` about twice a
-            second instead; ``False`` shows nothing.
+            second instead, from a background thread, and once more with ``(total,
+            total)`` from the calling thread at the end; ``False`` shows nothing.
         timeout: How long a rank may go without finishing a batch while the others wait
             for it at the end, and the final gather's per-piece timeout (timedelta or
             seconds; default ``config.op_timeout``). A slow rank that keeps finishing batches
@@ -79,7 +81,8 @@ def distributed_inference(
 
     Returns:
         On rank 0, a list with one result per dataset item, ``result[i]`` for
-        ``dataset[i]``; tensors on the CPU. ``None`` on the other ranks.
+        ``dataset[i]``; tensors on the CPU (each batch's results are moved there as soon
+        as ``fn`` returns). ``None`` on the other ranks.
 
     Raises:
         ConfigError: Invalid arguments, or ``fn`` returned something that does not split
@@ -102,11 +105,11 @@ def distributed_inference(
     )
     plan = sampler.plan()
     mine = plan[rt.rank]
-    if costs is not None:
+    item_costs = sampler._q  # the costs as the plan saw them (None: all equal)
+    if item_costs is not None:
         # Most costly first: a batch holds items of similar cost (less padding), and the
         # long items do not all come last.
-        cost = torch.as_tensor(costs, dtype=torch.float64)[mine]
-        mine = mine[torch.argsort(cost, descending=True, stable=True)]
+        mine = mine[torch.argsort(item_costs[mine], descending=True, stable=True)]
     order = mine.tolist()
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     loader: DataLoader[Any] = DataLoader(
@@ -118,7 +121,8 @@ def distributed_inference(
         with _local_forward(rt), torch.no_grad():
             for i, (items, batch) in enumerate(zip(batches, loader, strict=True)):
                 rt.step, rt.phase = i, "inference"
-                results.extend(_split(fn(batch), len(items)))
+                # On the CPU at once: results of a long run must not pile up on the GPU.
+                results.extend(_split(to_cpu(fn(batch)), len(items)))
                 bar.advance(len(items))
         rt.phase = "waiting for peers"
         _await_peers(rt, [len(p) for p in plan], timeout)
@@ -155,7 +159,7 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
             now = time.monotonic()
             pending = []
             for r in ranks:
-                done = int(states.get(r, {}).get("progress") or 0)
+                done = _done(states.get(r, {}), rt.inference_calls)
                 if done < shares[r]:
                     pending.append(r)
                     if seen.get(r, (-1, 0.0))[0] != done:
@@ -208,6 +212,15 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
+def _done(state: dict[str, Any], call: int) -> int:
+    """Items a rank's heartbeat says it processed in inference call ``call`` (0 while its
+    heartbeat still shows an earlier call)."""
+    progress = state.get("progress")
+    if isinstance(progress, list) and progress[:1] == [call]:
+        return int(progress[-1])
+    return 0
+
+
 class _Progress:
     """Rank 0's view of every rank's progress, drawn from the heartbeats.
 
@@ -227,7 +240,9 @@ class _Progress:
         self._start = time.monotonic()
 
     def __enter__(self) -> _Progress:
-        self.rt.progress = 0
+        self.rt.inference_calls += 1  # every rank counts its calls alike
+        self.call = self.rt.inference_calls
+        self.rt.progress = [self.call, 0]
         if self.callback is not None:
             self._thread = threading.Thread(
                 target=self._run, name="resilient_ddp-progress", daemon=True
@@ -237,7 +252,7 @@ class _Progress:
 
     def advance(self, n: int) -> None:
         self.done += n
-        self.rt.progress = self.done
+        self.rt.progress = [self.call, self.done]
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -256,7 +271,7 @@ class _Progress:
                 states = control.read_states(ranks)
             except Exception:  # noqa: BLE001 - the bar is best effort; the watchdog reports
                 continue
-            done = self.done + sum(int(s.get("progress") or 0) for r, s in states.items() if r != 0)
+            done = self.done + sum(_done(s, self.call) for r, s in states.items() if r != 0)
             if done != last:
                 last = done
                 assert self.callback is not None
