@@ -17,6 +17,7 @@ from ._backend import abort_group, backend_name, default_pg_timeout
 from ._runtime import Runtime
 from .config import ResilienceConfig, get_config
 from .errors import ConfigError, PreflightError
+from .preflight import preflight
 from .watchdog import Watchdog
 
 __all__ = ["destroy_process_group", "init_process_group", "is_initialized"]
@@ -61,19 +62,37 @@ def init_process_group(
         config: Budgets and policies (default: the process-wide config).
         device_id: Passed to torch (binds NCCL communicators to a device).
 
+    With the ``env://`` rendezvous (the default), start-up is checked first, within
+    ``config.init_timeout`` (see :mod:`resilient_ddp.preflight`): the variables, the store
+    (transient connection failures are retried), and every rank's versions, devices and
+    free memory. Every problem found is reported at once, on every rank that is up.
+
     Raises:
         ConfigError: Already initialised through resilient_ddp.
-        PreflightError: Some rank did not attach within ``config.init_timeout``.
+        PreflightError: The environment is unusable, the store cannot be reached or hosted
+            (port in use), ranks did not arrive, or ranks disagree (versions, devices); or
+            some rank did not attach within ``config.init_timeout``.
     """
     if _runtime.current() is not None:
         raise ConfigError("resilient_ddp is already initialised in this process.")
     cfg = config if config is not None else get_config()
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {
-            "timeout": timeout
+        pg_timeout = (
+            timeout
             if timeout is not None
-            else default_pg_timeout(cfg.effective_op_budget, cfg.heartbeat_timeout),
-        }
+            else default_pg_timeout(cfg.effective_op_budget, cfg.heartbeat_timeout)
+        )
+        kwargs: dict[str, Any] = {"timeout": pg_timeout}
+        if store is None and init_method in (None, "env://"):
+            # Our own env:// rendezvous: checked, retried and bounded by init_timeout.
+            store, env, _ = preflight(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                budget=cfg.init_timeout,
+                store_timeout=pg_timeout,
+            )
+            rank, world_size = env.rank, env.world_size
         if init_method is not None:
             kwargs["init_method"] = init_method
         if store is not None:

@@ -1,0 +1,393 @@
+"""Start-up checks: the environment, the rendezvous store, and what every rank brings.
+
+``init_process_group`` with the ``env://`` rendezvous (torchrun, ``rd.spawn``, or the
+variables set by hand) runs these steps before torch creates the process group, within
+``config.init_timeout``:
+
+1. **Environment** (this rank alone, at once): ``MASTER_ADDR`` resolves, ``MASTER_PORT``,
+   ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are integers in range, the backend exists
+   in this build of torch.
+2. **Store**: rank 0 hosts the TCPStore (unless torchrun's agent does) and every rank
+   connects. Transient failures (connection refused while rank 0 is not up yet, a reset
+   connection) are retried through tenacity until the budget runs out; permanent ones (the
+   port is already in use on the master, the address does not resolve) are not.
+3. **Exchange**: every rank publishes its facts (host, versions of Python, torch, CUDA and
+   NCCL, device, free memory) through the store and waits for everyone's. Ranks that never
+   arrive are named, with the hosts of those that did. Versions that differ, two ranks on
+   one GPU, a ``LOCAL_RANK`` without a GPU: every problem is listed in one
+   :class:`PreflightError` with a per-rank table, raised on every rank that is up.
+
+The store is created without waiting for all workers (torch's default makes rank 0 block
+inside the TCPStore constructor, silently, until every rank connects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import tenacity
+import torch
+import torch.distributed as dist
+
+from .errors import PreflightError
+
+__all__ = ["Environment", "check_environment", "preflight"]
+
+_PREFIX = "rd/preflight"
+_COMPARED = ("python", "torch", "cuda", "nccl")
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The rendezvous variables of one rank, checked."""
+
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    restart: int  # torchrun's restart count: keeps each attempt's keys apart
+    agent_store: bool  # torchrun's agent hosts the store; every rank is a client
+
+
+def check_environment(
+    environ: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> tuple[Environment | None, list[str]]:
+    """Validate the ``env://`` rendezvous variables of this rank.
+
+    Args:
+        environ: The variables (default: ``os.environ``).
+        rank: Overrides ``RANK`` (as ``init_process_group(rank=...)`` does).
+        world_size: Overrides ``WORLD_SIZE``.
+
+    Returns:
+        The checked environment (``None`` when a variable is unusable) and the problems
+        found, each a sentence that names the variable, its value and the fix.
+    """
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+
+    def integer(name: str, given: int | None, default: int | None, low: int, high: int) -> int:
+        if given is not None:
+            value: Any = given
+        else:
+            raw = env.get(name)
+            if raw is None:
+                if default is None:
+                    problems.append(f"{name} is not set (torchrun and rd.spawn set it)")
+                    return -1
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                problems.append(f"{name}={raw!r} is not an integer")
+                return -1
+        if not low <= value <= high:
+            problems.append(f"{name}={value} should be in [{low}, {high}]")
+            return -1
+        return int(value)
+
+    addr = env.get("MASTER_ADDR", "")
+    if not addr:
+        problems.append("MASTER_ADDR is not set: it must name rank 0's host")
+    else:
+        try:
+            socket.getaddrinfo(addr, None)
+        except OSError as e:
+            problems.append(
+                f"MASTER_ADDR={addr!r} does not resolve on host {socket.gethostname()} "
+                f"({e.strerror or e}): use rank 0's host name or IP address"
+            )
+    port = integer("MASTER_PORT", None, None, 1, 65535)
+    size = integer("WORLD_SIZE", world_size, None, 1, 1 << 20)
+    me = integer("RANK", rank, None, 0, max(size - 1, 0))
+    local_size = integer("LOCAL_WORLD_SIZE", None, 0, 0, 1 << 16)
+    local = integer("LOCAL_RANK", None, 0, 0, max(local_size - 1, 0) if local_size else 1 << 16)
+    restart = integer("TORCHELASTIC_RESTART_COUNT", None, 0, 0, 1 << 30)
+    if problems:
+        return None, problems
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
+    return Environment(addr, port, me, size, local, local_size, restart, agent), []
+
+
+def preflight(
+    backend: str | None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    budget: timedelta,
+    store_timeout: timedelta,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[dist.Store, Environment, dict[int, dict[str, str]]]:
+    """Check the environment, open the store and compare every rank's facts.
+
+    Blocks until every rank has published its facts, at most ``budget`` in all.
+
+    Args:
+        backend: The backend that will be used (``None``: torch's default).
+        rank: Overrides ``RANK``.
+        world_size: Overrides ``WORLD_SIZE``.
+        budget: Total time for connecting and for every rank to arrive.
+        store_timeout: Timeout of the store's own operations afterwards.
+        environ: The variables (default: ``os.environ``).
+
+    Returns:
+        The store (torch's rendezvous store, to pass to ``init_process_group``), this rank's
+        environment, and every rank's facts.
+
+    Raises:
+        PreflightError: A problem was found; every rank that is up raises it, with one line
+            per problem and a per-rank table.
+    """
+    deadline = time.monotonic() + budget.total_seconds()
+    env, problems = check_environment(environ, rank=rank, world_size=world_size)
+    if env is None:
+        raise PreflightError(
+            f"The rendezvous environment of this process is not usable "
+            f"(host {socket.gethostname()}):\n" + "\n".join(f"  - {p}" for p in problems),
+            problems=problems,
+        )
+    store = _open_store(env, deadline, store_timeout)
+    facts = local_facts(backend, env)
+    table = _exchange(store, env, facts, deadline)
+    problems = compare(table, env.world_size)
+    if problems:
+        raise PreflightError(
+            f"Preflight found {len(problems)} problem(s) (rank {env.rank} reports):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\n"
+            + format_table(table),
+            problems=problems,
+            table=table,
+        )
+    return store, env, table
+
+
+# -- the store -------------------------------------------------------------------------------
+class _TransientError(Exception):
+    """A connection failure that may go away (rank 0 not up yet, a reset)."""
+
+
+def _open_store(env: Environment, deadline: float, store_timeout: timedelta) -> dist.Store:
+    host_store = env.rank == 0 and not env.agent_store
+    attempts = 0
+
+    def connect() -> dist.Store:
+        nonlocal attempts
+        attempts += 1
+        left = max(0.5, deadline - time.monotonic())
+        try:
+            return dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=host_store,
+                timeout=timedelta(seconds=min(left, 30.0)),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError included
+            if host_store and "in use" in str(e).lower():
+                raise PreflightError(
+                    f"MASTER_PORT {env.master_port} is already in use on {env.master_addr} "
+                    f"(host {socket.gethostname()}), so rank 0 cannot host the rendezvous "
+                    "store: another job (or a previous run still exiting) holds it. HINT: "
+                    "pick a free port (torchrun --master-port / MASTER_PORT), or use "
+                    "torchrun's --rdzv-backend c10d with --rdzv-endpoint host:0.",
+                    problems=[f"MASTER_PORT {env.master_port} already in use on rank 0's host"],
+                ) from e
+            raise _TransientError(str(e)) from e
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(_TransientError),
+        stop=tenacity.stop_after_delay(max(0.0, deadline - time.monotonic())),
+        wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
+        reraise=True,
+    )
+    try:
+        store: dist.Store = retrying(connect)
+    except _TransientError as e:
+        role = "host" if host_store else "reach"
+        raise PreflightError(
+            f"Rank {env.rank} (host {socket.gethostname()}) could not {role} the rendezvous "
+            f"store at {env.master_addr}:{env.master_port} within the init budget "
+            f"({attempts} attempt(s)): {str(e).rstrip('.')}. HINT: is rank 0 running, is "
+            "MASTER_ADDR rank 0's address as seen from this host, and is the port open in the "
+            "firewall?",
+            problems=[
+                f"store {env.master_addr}:{env.master_port} unreachable from rank {env.rank}"
+            ],
+        ) from e
+    store.set_timeout(store_timeout)
+    return store
+
+
+# -- facts and their exchange ----------------------------------------------------------------
+def local_facts(backend: str | None, env: Environment) -> dict[str, str]:
+    """What this rank brings: host, versions, backend, device and free memory."""
+    facts = {
+        "host": socket.gethostname(),
+        "pid": str(os.getpid()),
+        "local_rank": str(env.local_rank),
+        **_versions(),
+        "backend": backend or "default",
+        "backend_ok": _backend_available(backend),
+        "host_free_gib": _host_free_gib(),
+    }
+    facts.update(_device(backend, env))
+    return facts
+
+
+def _versions() -> dict[str, str]:
+    nccl = ""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+        except (RuntimeError, AttributeError):
+            nccl = "?"
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "nccl": nccl,
+    }
+
+
+def _backend_available(backend: str | None) -> str:
+    name = (backend or "").lower()
+    if name == "gloo":
+        return "yes" if dist.is_gloo_available() else "no"
+    if name == "nccl":
+        if not dist.is_nccl_available():
+            return "no (this torch has no NCCL)"
+        return "yes" if torch.cuda.is_available() else "no (no CUDA device visible)"
+    return "yes"
+
+
+def _host_free_gib() -> str:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return f"{int(line.split()[1]) / 2**20:.1f}"
+    except OSError:
+        pass
+    return "?"
+
+
+def _device(backend: str | None, env: Environment) -> dict[str, str]:
+    """The GPU this rank will use (``LOCAL_RANK``'s), when it uses one."""
+    uses_cuda = (backend or "").lower() == "nccl" or (backend is None and torch.cuda.is_available())
+    if not uses_cuda:
+        return {"device": "cpu", "gpu": "", "gpu_free_gib": ""}
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        return {
+            "device": f"cuda:{env.local_rank} (only {count} visible)",
+            "gpu": "",
+            "gpu_free_gib": "",
+        }
+    props = torch.cuda.get_device_properties(env.local_rank)
+    uuid = str(getattr(props, "uuid", "")) or f"{socket.gethostname()}:{env.local_rank}"
+    try:
+        free, _ = torch.cuda.mem_get_info(env.local_rank)
+        free_gib = f"{free / 2**30:.1f}"
+    except RuntimeError:
+        free_gib = "?"
+    return {"device": f"cuda:{env.local_rank}", "gpu": uuid, "gpu_free_gib": free_gib}
+
+
+def _exchange(
+    store: dist.Store, env: Environment, facts: dict[str, str], deadline: float
+) -> dict[int, dict[str, str]]:
+    """Publish this rank's facts and wait for everyone's, until ``deadline``."""
+    prefix = f"{_PREFIX}/{env.restart}"
+    store.set(f"{prefix}/{env.rank}", json.dumps(facts))
+    keys = [f"{prefix}/{r}" for r in range(env.world_size)]
+    while True:
+        # ``check`` never blocks (a timed ``wait`` would log a warning on every expiry).
+        arrived = [r for r, k in enumerate(keys) if store.check([k])]
+        if len(arrived) == env.world_size or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    table = {r: json.loads(store.get(keys[r])) for r in arrived}
+    missing = [r for r in range(env.world_size) if r not in table]
+    if missing:
+        hosts = ", ".join(f"{r} ({table[r]['host']})" for r in sorted(table))
+        problems = [
+            f"rank(s) {_ranges(missing)} never arrived; WORLD_SIZE={env.world_size}, "
+            f"arrived: {hosts}"
+        ]
+        raise PreflightError(
+            f"Rank(s) {_ranges(missing)} did not arrive at the rendezvous within the init "
+            f"budget (rank {env.rank} waited). Arrived: {hosts}. HINT: is WORLD_SIZE right "
+            "(nnodes x nproc-per-node), and did every node start? A rank that crashed at "
+            "import time never arrives either: see its log.\n" + format_table(table),
+            problems=problems,
+            table=table,
+        )
+    return table
+
+
+def compare(table: Mapping[int, Mapping[str, str]], world_size: int) -> list[str]:
+    """Every problem in the ranks' facts, one sentence each naming the ranks."""
+    problems = []
+    for key in _COMPARED:
+        values: dict[str, list[int]] = {}
+        for r in sorted(table):
+            values.setdefault(table[r].get(key, ""), []).append(r)
+        if len(values) > 1:
+            parts = "; ".join(
+                f"{v or '(none)'} on rank(s) {_ranges(rs)}" for v, rs in values.items()
+            )
+            problems.append(f"{key} versions differ: {parts}")
+    for r in sorted(table):
+        ok = table[r].get("backend_ok", "yes")
+        if ok != "yes":
+            problems.append(f"rank {r}: backend {table[r].get('backend')} not available: {ok}")
+        if "visible" in table[r].get("device", ""):
+            problems.append(
+                f"rank {r} (host {table[r].get('host')}): LOCAL_RANK={table[r].get('local_rank')} "
+                f"but {table[r]['device']}: fewer GPUs than processes on this host"
+            )
+    users: dict[str, list[int]] = {}
+    for r in sorted(table):
+        if table[r].get("gpu"):
+            users.setdefault(table[r]["gpu"], []).append(r)
+    for gpu, ranks in users.items():
+        if len(ranks) > 1:
+            problems.append(
+                f"ranks {_ranges(ranks)} share one GPU ({gpu}): set LOCAL_RANK per process and "
+                "call torch.cuda.set_device(local_rank)"
+            )
+    return problems
+
+
+def format_table(table: Mapping[int, Mapping[str, str]]) -> str:
+    """The facts as an aligned text table, one row per rank."""
+    cols = ["host", "pid", "local_rank", "python", "torch", "cuda", "nccl", "backend"]
+    cols += ["device", "host_free_gib", "gpu_free_gib"]
+    header = ["rank", *cols]
+    rows = [[str(r)] + [str(table[r].get(c, "")) for c in cols] for r in sorted(table)]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in [header, *rows]
+    ]
+    return "\n".join("    " + line.rstrip() for line in lines)
+
+
+def _ranges(ranks: list[int], shown: int = 16) -> str:
+    more = ", ...]" if len(ranks) > shown else "]"
+    return "[" + ", ".join(str(r) for r in ranks[:shown]) + more

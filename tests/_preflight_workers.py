@@ -1,0 +1,56 @@
+"""Rank functions for the start-up tests: each breaks the rendezvous in one way."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import time
+from typing import Any
+
+import resilient_ddp as rd
+import resilient_ddp.preflight as preflight_module
+
+from ._workers import CHILD_DUMP_AFTER_S, error_summary
+
+BUDGET_S = 3.0  # init_timeout of these tests: how long ranks wait for the missing
+LATE_BUDGET_S = 15.0  # ... and when rank 0 starts MASTER_DELAY_S late on purpose
+MASTER_DELAY_S = 3.0
+
+
+def start(rank: int, scenario: str, port: int) -> Any:
+    """``init_process_group`` after breaking ``scenario`` on some rank; returns the error
+    summary (or ``"ok"``) and how long init took."""
+    faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)
+    budget = LATE_BUDGET_S if scenario == "late_master" else BUDGET_S
+    cfg = rd.ResilienceConfig(init_timeout=budget, heartbeat_interval=0.2, op_timeout=5)
+    if scenario == "wrong_address" and rank == 1:
+        os.environ["MASTER_ADDR"] = "no-such-host.invalid"
+    if scenario == "world_too_large":
+        os.environ["WORLD_SIZE"] = "4"
+    if scenario == "missing_rank" and rank == 2:
+        return {"skipped": True}
+    if scenario == "torch_version" and rank == 1:
+        versions = preflight_module._versions
+        preflight_module._versions = lambda: {**versions(), "torch": "2.99.0"}  # type: ignore[assignment]
+    if scenario == "same_gpu" and rank in (0, 1):
+        preflight_module._device = lambda backend, env: {  # type: ignore[assignment]
+            "device": "cuda:0",
+            "gpu": "GPU-1234",
+            "gpu_free_gib": "70.0",
+        }
+    if scenario in ("port_in_use", "late_master"):
+        # Rank 0 hosts the store itself, as without torchrun's agent.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        os.environ["MASTER_PORT"] = str(port)
+    if scenario == "late_master" and rank == 0:
+        time.sleep(MASTER_DELAY_S)
+    t0 = time.monotonic()
+    try:
+        rd.init_process_group("gloo", config=cfg)
+        rd.barrier()
+        return {"ok": True, "elapsed": time.monotonic() - t0}
+    except rd.ResilientDDPError as e:
+        return {**error_summary(e, t0), "problems": list(getattr(e, "problems", ()))}
+    finally:
+        if rd.is_initialized():
+            rd.destroy_process_group()

@@ -1,0 +1,146 @@
+"""Start-up on real processes: each misconfiguration is reported within the init budget,
+on every rank that is up, naming the problem and the rank."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from resilient_ddp.preflight import check_environment
+from resilient_ddp.testing import format_outcomes, run_ranks
+
+from . import _preflight_workers as w
+
+DEADLINE = timedelta(seconds=40)
+
+
+def _run(scenario: str, port: int = 0) -> dict[int, Any]:
+    outcomes = run_ranks(w.start, 3, (scenario, port), timeout=DEADLINE)
+    for o in outcomes:
+        assert o.exitcode == 0, format_outcomes(outcomes)
+    return {o.rank: o.value for o in outcomes}
+
+
+def _preflight_error(v: Any) -> dict[str, Any]:
+    assert isinstance(v, dict), v
+    assert v.get("type") == "PreflightError", v
+    assert v["elapsed"] < w.BUDGET_S + 2.0, v
+    return v
+
+
+def test_healthy_start() -> None:
+    values = _run("healthy")
+    assert all(v["ok"] for v in values.values()), values
+
+
+def test_wrong_master_address_is_named_at_once_and_the_rank_is_missing_elsewhere() -> None:
+    values = _run("wrong_address")
+    own = _preflight_error(values[1])
+    assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in own["message"]
+    assert own["elapsed"] < 1.0
+    for r in (0, 2):
+        v = _preflight_error(values[r])
+        assert "rank(s) [1] never arrived" in v["problems"][0], v
+
+
+@pytest.mark.parametrize(
+    ("scenario", "missing"), [("missing_rank", "[2]"), ("world_too_large", "[3]")]
+)
+def test_ranks_that_never_arrive_are_named_with_the_hosts_that_did(
+    scenario: str, missing: str
+) -> None:
+    values = _run(scenario)
+    up = [0, 1] if scenario == "missing_rank" else [0, 1, 2]
+    for r in up:
+        v = _preflight_error(values[r])
+        assert f"rank(s) {missing} never arrived" in v["problems"][0], v
+        assert "Arrived: 0 (" in v["message"]
+
+
+def test_torch_version_mismatch_is_one_error_on_every_rank() -> None:
+    values = _run("torch_version")
+    for value in values.values():
+        v = _preflight_error(value)
+        assert any(
+            "torch versions differ" in p and "2.99.0 on rank(s) [1]" in p for p in v["problems"]
+        ), v
+        assert v["table"][1]["torch"] == "2.99.0"
+
+
+def test_two_ranks_on_one_gpu_are_named() -> None:
+    values = _run("same_gpu")
+    for value in values.values():
+        v = _preflight_error(value)
+        assert any("ranks [0, 1] share one GPU (GPU-1234)" in p for p in v["problems"]), v
+
+
+def test_master_port_in_use_is_named_as_such() -> None:
+    # The port of a store that is listening (torch's own, in this process).
+    busy = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    values = _run("port_in_use", busy.port)
+    v = _preflight_error(values[0])
+    assert f"MASTER_PORT {busy.port} is already in use" in v["message"], v
+    for r in (1, 2):
+        assert "rank(s) [0] never arrived" in _preflight_error(values[r])["problems"][0]
+
+
+def test_workers_wait_for_a_master_that_starts_late() -> None:
+    probe = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = probe.port
+    del probe  # frees the port for rank 0, which starts 3 s after the others
+    values = _run("late_master", port)
+    for r, v in values.items():
+        assert v.get("ok"), (r, v)
+    # Rank 1 waited for rank 0 (retrying), then succeeded well within the budget.
+    assert w.MASTER_DELAY_S - 1.0 < values[1]["elapsed"] < w.LATE_BUDGET_S
+
+
+@pytest.mark.parametrize(
+    ("environ", "said"),
+    [
+        ({"MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR is not set"),
+        (
+            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "x", "RANK": "0", "WORLD_SIZE": "2"},
+            "MASTER_PORT='x' is not an integer",
+        ),
+        (
+            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000", "RANK": "0", "WORLD_SIZE": "2"},
+            "MASTER_PORT=70000 should be in [1, 65535]",
+        ),
+        (
+            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "2", "WORLD_SIZE": "2"},
+            "RANK=2 should be in [0, 1]",
+        ),
+        (
+            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2"},
+            "RANK is not set",
+        ),
+        (
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500",
+                "RANK": "0",
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "3",
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            "LOCAL_RANK=3 should be in [0, 1]",
+        ),
+    ],
+)
+def test_environment_problems_name_the_variable(environ: dict[str, str], said: str) -> None:
+    env, problems = check_environment(environ)
+    assert env is None
+    assert any(said in p for p in problems), problems
+
+
+def test_a_good_environment_passes() -> None:
+    env, problems = check_environment(
+        {"MASTER_ADDR": "localhost", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
+    )
+    assert problems == []
+    assert env is not None
+    assert (env.rank, env.world_size, env.local_rank) == (1, 2, 0)
