@@ -54,3 +54,31 @@ def start(rank: int, scenario: str, port: int) -> Any:
     finally:
         if rd.is_initialized():
             rd.destroy_process_group()
+
+
+def restart_main() -> None:
+    """Under ``torchrun --max-restarts``: rank 1 fails in every attempt but the last, after
+    the group is up; each attempt must rendezvous again on the same agent store."""
+    import json
+    import sys
+
+    out_dir, last = sys.argv[1], int(sys.argv[2])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+    faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)
+    t0 = time.monotonic()
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(init_timeout=20, op_timeout=5))
+    value = rd.all_reduce(torch_ones()).tolist()
+    record = {"attempt": attempt, "init_s": time.monotonic() - t0, "value": value}
+    with open(os.path.join(out_dir, f"attempt{attempt}-rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    if rank == 1 and attempt < last:
+        raise SystemExit(f"rank 1 fails attempt {attempt} on purpose")
+    rd.barrier()
+    rd.destroy_process_group()
+
+
+def torch_ones() -> Any:
+    import torch
+
+    return torch.ones(2)

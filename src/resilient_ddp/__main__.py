@@ -1,11 +1,11 @@
-"""Command line: ``python -m resilient_ddp demo`` (also the ``resilient-ddp`` script)."""
+"""Command line: ``python -m resilient_ddp demo|doctor`` (also the ``resilient-ddp`` script)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import _demo
+from . import _demo, _doctor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,9 +18,17 @@ def main(argv: list[str] | None = None) -> int:
         description=_demo.__doc__,
     )
     _demo.add_arguments(demo)
+    doctor = sub.add_parser(
+        "doctor",
+        help="check start-up, all_reduce latency/bandwidth and step-time skew; suggest fixes",
+        description=_doctor.__doc__,
+    )
+    _doctor.add_arguments(doctor)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo.run(args)
+    if args.command == "doctor":
+        return _doctor.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 from .errors import PreflightError
 
-__all__ = ["Environment", "check_environment", "preflight"]
+__all__ = [
+    "Environment",
+    "check_environment",
+    "compare",
+    "format_table",
+    "local_facts",
+    "preflight",
+]
 
 _PREFIX = "rd/preflight"
 _COMPARED = ("python", "torch", "cuda", "nccl")
@@ -113,7 +120,8 @@ def check_environment(
             )
     port = integer("MASTER_PORT", None, None, 1, 65535)
     size = integer("WORLD_SIZE", world_size, None, 1, 1 << 20)
-    me = integer("RANK", rank, None, 0, max(size - 1, 0))
+    # With an unusable WORLD_SIZE, RANK is only checked for being an integer >= 0.
+    me = integer("RANK", rank, None, 0, size - 1 if size > 0 else 1 << 20)
     local_size = integer("LOCAL_WORLD_SIZE", None, 0, 0, 1 << 16)
     local = integer("LOCAL_RANK", None, 0, 0, max(local_size - 1, 0) if local_size else 1 << 16)
     restart = integer("TORCHELASTIC_RESTART_COUNT", None, 0, 0, 1 << 30)
@@ -357,7 +365,7 @@ def compare(table: Mapping[int, Mapping[str, str]], world_size: int) -> list[str
         ok = table[r].get("backend_ok", "yes")
         if ok != "yes":
             problems.append(f"rank {r}: backend {table[r].get('backend')} not available: {ok}")
-        if "visible" in table[r].get("device", ""):
+        if ok == "yes" and "visible" in table[r].get("device", ""):
             problems.append(
                 f"rank {r} (host {table[r].get('host')}): LOCAL_RANK={table[r].get('local_rank')} "
                 f"but {table[r]['device']}: fewer GPUs than processes on this host"
