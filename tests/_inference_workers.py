@@ -231,26 +231,18 @@ def load_shared(rank: int, path: str) -> Any:
         rd.destroy_process_group()
 
 
-def share_unpicklable_state(rank: int) -> Any:
+def share_fault(rank: int, kind: str) -> Any:
+    """``broadcast_state_dict`` from rank 0, which sends a sparse tensor (``"sparse"``) or
+    dies first (``"dies"``)."""
     _init(FAST)
     t0 = time.monotonic()
     try:
-        sent = {"w": torch.eye(3).to_sparse()} if rank == 0 else None
-        rd.broadcast_state_dict(sent, src=0)
-        return "no error"
-    except rd.ResilientDDPError as e:
-        return error_summary(e, t0)
-    finally:
-        rd.destroy_process_group()
-
-
-def share_state_src_dies(rank: int) -> Any:
-    _init(FAST)
-    t0 = time.monotonic()
-    try:
-        if rank == 0:
+        sent = None
+        if rank == 0 and kind == "dies":
             kill_self()
-        rd.broadcast_state_dict(None, src=0)
+        if rank == 0 and kind == "sparse":
+            sent = {"w": torch.eye(3).to_sparse()}
+        rd.broadcast_state_dict(sent, src=0)
         return "no error"
     except rd.ResilientDDPError as e:
         return error_summary(e, t0)

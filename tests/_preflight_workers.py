@@ -82,3 +82,42 @@ def torch_ones() -> Any:
     import torch
 
     return torch.ones(2)
+
+
+def two_host_main() -> None:
+    """One rank of the two-"host" job (see test_multihost_netns): trains until the link
+    between the hosts is cut, then records the error it got and when."""
+    import json
+    import sys
+
+    import torch
+    from torch import nn
+
+    out_dir = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)
+    cfg = rd.ResilienceConfig(heartbeat_interval=0.2, heartbeat_timeout=3, op_timeout=20)
+    rd.init_process_group("gloo", config=cfg)
+    torch.manual_seed(0)
+    model = rd.ResilientDDP(nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+    step = 0
+    record: dict[str, Any] = {"rank": rank, "host": os.uname().nodename}
+    t0 = time.monotonic()
+    try:
+        while True:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            with open(os.path.join(out_dir, f"progress{rank}"), "w") as f:
+                f.write(str(step))
+            time.sleep(0.02)
+    except rd.ResilientDDPError as e:
+        record.update(error_summary(e, t0))
+        record["raised_at"] = time.time()
+        record["step"] = step
+    with open(os.path.join(out_dir, f"result{rank}.json"), "w") as f:
+        json.dump(record, f)
+    rd.destroy_process_group()

@@ -150,7 +150,7 @@ def test_load_and_broadcast_missing_file_is_named_on_every_rank(tmp_path: Path) 
 
 
 def test_broadcast_state_dict_source_that_cannot_pickle_is_named() -> None:
-    outcomes = run_ranks(w.share_unpicklable_state, 3, (), timeout=DEADLINE)
+    outcomes = run_ranks(w.share_fault, 3, ("sparse",), timeout=DEADLINE)
     assert outcomes[0].value["type"] == "ConfigError", format_outcomes(outcomes)
     assert "dense tensors only" in outcomes[0].value["message"]
     for r in (1, 2):
@@ -161,7 +161,7 @@ def test_broadcast_state_dict_source_that_cannot_pickle_is_named() -> None:
 
 
 def test_broadcast_state_dict_source_killed_is_named() -> None:
-    outcomes = run_ranks(w.share_state_src_dies, 3, (), timeout=DEADLINE)
+    outcomes = run_ranks(w.share_fault, 3, ("dies",), timeout=DEADLINE)
     for r in (1, 2):
         v = outcomes[r].value
         assert v["type"] == "RankFailureError", format_outcomes(outcomes)

@@ -61,6 +61,11 @@ class ControlPlane:
         self.generation = generation
         self.store: dist.Store = dist.PrefixStore(f"g{generation}", root)
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Bound every call of this control plane's connection (a call that gets no answer
+        in time raises :class:`ControlPlaneError`)."""
+        self._call(self.root.set_timeout, timeout)
+
     def clone(self) -> ControlPlane:
         """Return a control plane over a new connection to the same store."""
         clone = getattr(self.root, "clone", None)

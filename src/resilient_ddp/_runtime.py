@@ -168,6 +168,12 @@ class Runtime:
         self.last_straggler_report: dict[str, Any] = {}
         self.raised = False  # this rank raised a failure error: its departure is a consequence
         self.watchdog: Any = None
+        # time.monotonic() of the watchdog's last completed tick (0: no watchdog yet); a
+        # tick that does not complete within stall_s means the store stopped answering.
+        self.watchdog_tick = 0.0
+        self.stall_s = (
+            config.heartbeat_timeout.total_seconds() + 2 * config.heartbeat_interval.total_seconds()
+        )
 
     # -- healthy path ------------------------------------------------------------------------
     def begin_op(self, name: str) -> int:
@@ -218,7 +224,23 @@ class Runtime:
         """Whether op ``seq`` cannot complete because of a recorded failure."""
         if self.failures or self.control_plane_error is not None:
             return True
+        if self.watchdog_tick and time.monotonic() - self.watchdog_tick > self.stall_s:
+            self._control_plane_stalled()
+            return True
         return any(ev.get("final_seq", -1) < seq for ev in self.left.values())
+
+    def _control_plane_stalled(self) -> None:
+        """The watchdog has not completed a tick for longer than a peer may stay silent: its
+        store calls do not return (the network to the store's host is cut, or that host
+        hangs). Nothing can be coordinated; the ranks on other hosts are cut off."""
+        silent = time.monotonic() - self.watchdog_tick
+        self.on_control_plane_lost(
+            ControlPlaneError(
+                f"The control-plane store has not answered rank {self.rank} (host "
+                f"{self.identity['host']}) for {silent:.1f} s: the network to its host is "
+                "down, or that host hangs."
+            )
+        )
 
     def raise_if_failed(self, name: str, seq: int) -> None:
         if self.failed_for(seq):
@@ -302,9 +324,15 @@ class Runtime:
         failed by consequence, so that its later departure names no one)."""
         self.mark_raised()
         if self.control_plane_error is not None and not self.failures:
-            # Fatal: nothing can be coordinated any more.
+            # Fatal: nothing can be coordinated any more. The ranks on other hosts are cut off
+            # from this one as well (the store is on one of them, or the network is down).
+            far = self.unreachable_ranks()
+            named = f"; unreachable rank(s) on other hosts: {[c.rank for c in far]}" if far else ""
             err = ControlPlaneError(
-                f"{name}#{seq} on rank {self.rank} cannot complete: {self.control_plane_error}",
+                f"{name}#{seq} on rank {self.rank} (host {self.identity['host']}) cannot "
+                f"complete: {self.control_plane_error}{named}"
+                + "".join("\n" + c.describe() for c in far),
+                culprits=far,
                 op=name,
                 seq=seq,
                 generation=self.generation,
@@ -534,6 +562,21 @@ class Runtime:
         debugger): then it cannot answer, though its heartbeat is not yet stale."""
         pid = int(self.infos.get(rank, {}).get("pid", 0))
         return self.is_local(rank) and ctl.process_state(pid) == "T"
+
+    def unreachable_ranks(self) -> list[Culprit]:
+        """With the control plane lost: the ranks on other hosts than this one, as culprits
+        (from the identities read at start-up)."""
+        me = self.identity["host"]
+        return [
+            Culprit(
+                rank=r,
+                host=str(info.get("host", "?")),
+                pid=int(info.get("pid", 0)),
+                what=f"unreachable from host {me} (the control-plane store does not answer)",
+            )
+            for r, info in sorted(self.infos.items())
+            if r != self.rank and info.get("host") != me
+        ]
 
     def is_local(self, rank: int) -> bool:
         info = self.infos.get(rank)

@@ -271,7 +271,9 @@ class _Op:
             slice_end = time.monotonic() + self.attempt_s
             while True:
                 now = time.monotonic()
-                p.event.wait(max(0.0, min(slice_end, self.deadline) - now))
+                # Failures the watchdog records wake this wait at once; short naps also
+                # notice a watchdog whose store calls stopped returning (failed_for).
+                p.event.wait(max(0.0, min(slice_end, self.deadline, now + _MAX_SLICE_S) - now))
                 if p.done and p.backend_error is None:
                     return
                 if rt.failed_for(self.seq):

@@ -38,6 +38,9 @@ class Watchdog(threading.Thread):
         self.control = runtime.control.clone()
         self.interval = runtime.config.heartbeat_interval.total_seconds()
         self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
+        # A store that stops answering (its host died, or the network to it is cut) must
+        # be noticed as fast as a silent peer, not after the store's own (long) timeout.
+        self.control.set_timeout(runtime.config.heartbeat_timeout)
         self._stop_event = threading.Event()
         self._wake = threading.Event()
         self._beat = 0
@@ -46,7 +49,13 @@ class Watchdog(threading.Thread):
         self._diag_answered = 0
         self._last_change: dict[int, tuple[int, float]] = {}
         world, rank = runtime.world_size, runtime.rank
-        self.watched = sorted({(rank + k) % world for k in (1, 2)} - {rank})
+        ring = {(rank + k) % world for k in (1, 2)} - {rank}
+        # With each watched peer, the other ranks of its host: a host that goes (power,
+        # network) is then named whole, not one rank at a time.
+        mine = runtime.identity["host"]
+        hosts = {runtime.infos.get(r, {}).get("host") for r in ring} - {None, mine}
+        same_host = {r for r, i in runtime.infos.items() if i.get("host") in hosts}
+        self.watched = sorted((ring | same_host) - {rank})
         self.local_peers = [r for r in range(world) if r != rank and runtime.is_local(r)]
         self.aborted = False
         self._section_reported = False
@@ -60,8 +69,10 @@ class Watchdog(threading.Thread):
         """Ask the thread to stop and wait for it (at most ``timeout`` seconds)."""
         self._stop_event.set()
         self._wake.set()
+        self.rt.watchdog_tick = 0.0  # a stopped watchdog is not a stalled store
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
+        self.rt.watchdog_tick = 0.0
 
     def poke(self) -> None:
         """Run the next tick now instead of at the end of the interval."""
@@ -69,9 +80,12 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         errors = 0
+        self.rt.watchdog_tick = time.monotonic()
         while not self._stop_event.is_set():
             try:
                 self.tick()
+                if not self._stop_event.is_set():
+                    self.rt.watchdog_tick = time.monotonic()
                 errors = 0
             except ControlPlaneError as e:
                 if not self._stop_event.is_set():
@@ -124,20 +138,32 @@ class Watchdog(threading.Thread):
 
     def _check_heartbeats(self, states: dict[int, dict[str, Any]]) -> None:
         now = time.monotonic()
+        silence: dict[int, float] = {}
         for r, s in states.items():
             beat = int(s.get("beat", 0))
             last = self._last_change.get(r)
             if last is None or last[0] != beat:
                 self._last_change[r] = (beat, now)
                 continue
-            silent = now - last[1]
-            if silent < self.hb_timeout or s.get("status") != "running" or r in self.rt.left:
-                continue
-            what = f"stopped sending heartbeats ({silent:.1f} s without one)"
+            if s.get("status") == "running" and r not in self.rt.left:
+                silence[r] = now - last[1]
+        stale = {r for r, t in silence.items() if t >= self.hb_timeout}
+        # Ranks of a stale rank's host that are nearly as silent went with it (another
+        # host only: on this one, a silent rank says nothing about its neighbours).
+        hosts = {self.rt.infos.get(r, {}).get("host") for r in stale}
+        hosts -= {self.rt.identity["host"]}
+        nearly = self.hb_timeout - 2 * self.interval
+        stale |= {
+            r
+            for r, t in silence.items()
+            if t >= nearly and self.rt.infos.get(r, {}).get("host") in hosts
+        }
+        for r in sorted(stale):
+            what = f"stopped sending heartbeats ({silence[r]:.1f} s without one)"
             if self.rt.is_stopped(r):
-                what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silent:.1f} s"
-            self._report(ctl.EV_UNRESPONSIVE, r, what, s)
-            self._last_change[r] = (beat, float("inf"))  # report once
+                what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silence[r]:.1f} s"
+            self._report(ctl.EV_UNRESPONSIVE, r, what, states[r])
+            self._last_change[r] = (int(states[r].get("beat", 0)), float("inf"))  # report once
 
     def _check_section(self) -> None:
         rt = self.rt
