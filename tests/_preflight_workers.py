@@ -103,7 +103,7 @@ def two_host_main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 32)
     step = 0
-    record: dict[str, Any] = {"rank": rank, "host": os.uname().nodename}
+    record: dict[str, Any] = {"rank": rank, "host": os.uname().nodename, "pid": os.getpid()}
     t0 = time.monotonic()
     try:
         while True:

@@ -367,7 +367,7 @@ class Runtime:
         self, exc: BaseException, tb: TracebackType | None = None, *, thread: str | None = None
     ) -> None:
         """Post this rank's own uncaught exception before the process dies."""
-        if self.status != "running":
+        if self.status != "running" or self.control_plane_error is not None:
             return
         if _is_backend_error(exc) and not self.failures and self.watchdog is not None:
             # A raw torch.distributed error in user code is usually a peer's death seen
@@ -403,6 +403,10 @@ class Runtime:
     def report_left(self) -> None:
         """Tell the peers this rank leaves after its last op (clean shutdown)."""
         if self.status == "left":
+            return
+        if self.control_plane_error is not None:
+            # The store does not answer: a call could block for the store's own timeout.
+            self.status = "left"
             return
         secondary = bool(self.failures) or self.raised or self.status == "failed"
         culprit = ctl.culprit_from(
