@@ -13,6 +13,16 @@ __all__: list[str] = []
 log = logging.getLogger("resilient_ddp")
 
 
+def nccl_version() -> str:
+    """NCCL's version as ``"2.27.3"``; ``""`` without CUDA or NCCL, ``"?"`` if asking fails."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return ""
+    try:
+        return ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+    except (RuntimeError, AttributeError):
+        return "?"
+
+
 def backend_name(group: dist.ProcessGroup | None = None) -> str:
     """The backend of ``group`` (default: the world), lower-case, e.g. ``"gloo"``."""
     return str(dist.get_backend(group)).lower()

@@ -40,6 +40,7 @@ from .errors import (
     ConfigError,
     RankFailureError,
     RetryBudgetExhaustedError,
+    format_rank_table,
 )
 from .process_group import ensure_runtime
 
@@ -500,15 +501,23 @@ def _validate(op: _Op, sig: dict[str, Any]) -> None:
 
 
 def _format_table(rows: dict[int, dict[str, str]], missing: Sequence[int]) -> str:
+    """Every column any rank has, ``seq`` and ``op`` first."""
     cols = sorted({k for s in rows.values() for k in s}, key=lambda c: (c != "seq", c != "op", c))
-    header = ["rank", *cols]
-    body = [[str(r)] + [rows[r].get(c, "") for c in cols] for r in sorted(rows)]
-    body += [[str(r)] + ["(no answer)"] + [""] * (len(cols) - 1) for r in missing]
-    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
-    lines = [
-        "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in [header, *body]
-    ]
-    return "\n".join("    " + line.rstrip() for line in lines)
+    return format_rank_table(rows, cols, missing)
+
+
+def _minority(values: Sequence[int], ignore: int | None = None) -> tuple[int, list[int]]:
+    """The most common value (ties: the smallest) and the ranks whose value differs from it.
+
+    A rank holding ``ignore`` agrees with every value. Every rank that sees the same values
+    names the same minority.
+    """
+    counts: dict[int, int] = {}
+    for v in values:
+        if v != ignore:
+            counts[v] = counts.get(v, 0) + 1
+    common = max(sorted(counts), key=lambda v: counts[v])
+    return common, [r for r, v in enumerate(values) if v not in (common, ignore)]
 
 
 def _sig(op: str, t: torch.Tensor | None = None, **extra: Any) -> dict[str, Any]:
@@ -658,12 +667,7 @@ def _gather_uneven(o: _Op, tensor: torch.Tensor) -> list[torch.Tensor]:
     o.wait(dist.all_gather(metas, meta, group=o.group, async_op=True), cuda=meta.is_cuda)
     rows = [m.tolist() for m in metas]
     if any(r[0] != rows[0][0] for r in rows):
-        # Every rank sees the same rows, so every rank names the same minority.
-        counts: dict[int, int] = {}
-        for r in rows:
-            counts[r[0]] = counts.get(r[0], 0) + 1
-        majority = max(sorted(counts), key=lambda fp: counts[fp])
-        odd = [i for i, r in enumerate(rows) if r[0] != majority]
+        majority, odd = _minority([r[0] for r in rows])
         raise CollectiveMismatchError(
             f"all_gather#{o.seq}: ranks passed tensors of different dtypes; rank(s) {odd} "
             f"differ from the others (this rank, {o.rt.rank}, has {tensor.dtype})",

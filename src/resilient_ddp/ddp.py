@@ -33,10 +33,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
 from . import _runtime
+from ._backend import nccl_version
 from ._runtime import PendingOp, Runtime
 from .collectives import _Op, all_gather_object, broadcast
 from .config import ResilienceConfig
-from .errors import ConfigError, PreflightError, ResilientDDPError
+from .errors import ConfigError, PreflightError, ResilientDDPError, format_rank_table
 from .process_group import ensure_runtime
 
 __all__ = ["ResilientDDP"]
@@ -331,17 +332,11 @@ def _environment(rt: Runtime, module: nn.Module, args: Any, kwargs: Any) -> dict
         idx = torch.device(device).index or 0
         props = torch.cuda.get_device_properties(idx)
         gpu = str(getattr(props, "uuid", idx))
-    nccl = ""
-    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
-        try:
-            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
-        except Exception:  # noqa: BLE001 - a missing NCCL is reported as ""
-            nccl = ""
     return {
         "host": rt.identity["host"],
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
-        "nccl": nccl,
+        "nccl": nccl_version(),
         "python": platform.python_version(),
         "backend": rt.backend,
         "device": device,
@@ -407,13 +402,7 @@ def _param_diff(ref: list[Any], other: list[Any]) -> str:
 
 def _format_rows(table: dict[int, dict[str, str]]) -> str:
     cols = ["host", "device", "gpu", "backend", "torch", "cuda", "nccl", "python", "params"]
-    header = ["rank", *cols]
-    body = [[str(r)] + [table[r].get(c, "") for c in cols] for r in sorted(table)]
-    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
-    return "\n".join(
-        "    " + "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *body]
-    )
+    return format_rank_table(table, cols)
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -114,6 +114,21 @@ class Culprit:
 _FRESH_S = 0.05  # a state younger than this is shown without its age
 
 
+def format_rank_table(
+    table: Mapping[int, Mapping[str, object]], columns: Sequence[str], missing: Sequence[int] = ()
+) -> str:
+    """An aligned text table for an error message: one row per rank of ``table`` with the
+    given ``columns``, then a ``(no answer)`` row per rank of ``missing``; indented by 4."""
+    header = ["rank", *columns]
+    body = [[str(r)] + [str(table[r].get(c, "")) for c in columns] for r in sorted(table)]
+    body += [[str(r), "(no answer)"] + [""] * (len(columns) - 1) for r in missing]
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+    return "\n".join(
+        "    " + "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *body]
+    )
+
+
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.rstrip("\n").splitlines())
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ._backend import comm_device
 from ._wire import CompactPickler, buffer_of, dumps, loads, to_cpu
-from .collectives import Duration, _format_table, _Op, _sig
+from .collectives import Duration, _format_table, _minority, _Op, _sig
 from .errors import CollectiveMismatchError, ConfigError
 
 __all__ = ["gather_to_rank0"]
@@ -164,18 +164,9 @@ def _check_headers(o: _Op, rows: list[list[int]]) -> None:
         for i, r in enumerate(rows)
     }
 
-    def odd_ones(col: int, ignore: int | None = None) -> list[int]:
-        counts: dict[int, int] = {}
-        for r in rows:
-            if r[col] != ignore:
-                counts[r[col]] = counts.get(r[col], 0) + 1
-        common = max(sorted(counts), key=lambda v: counts[v])
-        return [i for i, r in enumerate(rows) if r[col] != common and r[col] != ignore]
-
-    odd = sorted(
-        set(odd_ones(1, _KIND_NONE) if len(kinds) > 1 else [])
-        | set(odd_ones(2) if len(flags) > 1 else [])
-    )
+    odd_kind = _minority([r[1] for r in rows], ignore=_KIND_NONE)[1] if len(kinds) > 1 else []
+    odd_flag = _minority([r[2] for r in rows])[1] if len(flags) > 1 else []
+    odd = sorted(set(odd_kind) | set(odd_flag))
     what = "entries of different kinds or dtypes" if len(kinds) > 1 else ""
     if len(flags) > 1:
         what = (what + " and " if what else "") + "indices on some ranks only"

@@ -37,7 +37,8 @@ import tenacity
 import torch
 import torch.distributed as dist
 
-from .errors import PreflightError
+from ._backend import nccl_version
+from .errors import PreflightError, format_rank_table
 
 __all__ = [
     "Environment",
@@ -259,17 +260,11 @@ def local_facts(backend: str | None, env: Environment) -> dict[str, str]:
 
 
 def _versions() -> dict[str, str]:
-    nccl = ""
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        try:
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
-        except (RuntimeError, AttributeError):
-            nccl = "?"
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "",
-        "nccl": nccl,
+        "nccl": nccl_version(),
     }
 
 
@@ -324,13 +319,13 @@ def _exchange(
     prefix = f"{_PREFIX}/{env.restart}"
     store.set(f"{prefix}/{env.rank}", json.dumps(facts))
     keys = [f"{prefix}/{r}" for r in range(env.world_size)]
-    while True:
-        # ``check`` never blocks (a timed ``wait`` would log a warning on every expiry).
-        arrived = [r for r, k in enumerate(keys) if store.check([k])]
-        if len(arrived) == env.world_size or time.monotonic() >= deadline:
-            break
+    # ``check`` never blocks (a timed ``wait`` would log a warning on every expiry); one
+    # call covers every key, and only a timeout asks key by key who is missing.
+    while not store.check(keys) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-    table = {r: json.loads(store.get(keys[r])) for r in arrived}
+    arrived = [r for r, k in enumerate(keys) if store.check([k])]
+    values = store.multi_get([keys[r] for r in arrived]) if arrived else []
+    table = {r: json.loads(v) for r, v in zip(arrived, values, strict=True)}
     missing = [r for r in range(env.world_size) if r not in table]
     if missing:
         hosts = ", ".join(f"{r} ({table[r]['host']})" for r in sorted(table))
@@ -386,14 +381,7 @@ def compare(table: Mapping[int, Mapping[str, str]], world_size: int) -> list[str
 def format_table(table: Mapping[int, Mapping[str, str]]) -> str:
     """The facts as an aligned text table, one row per rank."""
     cols = ["host", "pid", "local_rank", "python", "torch", "cuda", "nccl", "backend"]
-    cols += ["device", "host_free_gib", "gpu_free_gib"]
-    header = ["rank", *cols]
-    rows = [[str(r)] + [str(table[r].get(c, "")) for c in cols] for r in sorted(table)]
-    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
-    lines = [
-        "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in [header, *rows]
-    ]
-    return "\n".join("    " + line.rstrip() for line in lines)
+    return format_rank_table(table, [*cols, "device", "host_free_gib", "gpu_free_gib"])
 
 
 def _ranges(ranks: list[int], shown: int = 16) -> str:
