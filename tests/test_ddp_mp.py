@@ -118,4 +118,4 @@ def test_straggler_report_names_the_slow_rank() -> None:
     values = _values(d.straggler, 3, ranks=[0, 1, 2])
     for report in values.values():
         assert report["stragglers"] == [2], report
-        assert report["compute_s"][2] > report["median_s"] + 0.04
+        assert report["compute_s"][2] > report["median_s"] + 0.1
