@@ -23,8 +23,10 @@ Usage::
     python benchmarks/bench_sampler.py            # full run, about a minute on 2 cores
     python benchmarks/bench_sampler.py --quick    # smoke test: no 1e7 row, one repeat
 
-The full run writes ``benchmarks/results/sampler.json``. ``--quick`` writes to
-``benchmarks/results/quick/`` by default so that it never replaces the recorded figures.
+The full run writes ``benchmarks/results/sampler.json`` and the figure
+``docs/img/sampler_balance.png`` (with matplotlib: ``pip install -e .[bench]``). ``--quick``
+writes to ``benchmarks/results/quick/`` by default so that it never replaces the recorded
+figures.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch
 from bench_collectives import _display, _loadavg, machine_info  # one machine description
+from plots import BALANCE_PNG, plot_balance
 from torch.utils.data import DistributedSampler
 
 from resilient_ddp.sampler import BalancedDistributedSampler, LockstepBatchSampler
@@ -53,6 +56,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results" / f"{NAME}.json"
 QUICK_OUT = HERE / "results" / "quick" / f"{NAME}.json"
+DOCS_IMG = ROOT / "docs" / "img"
+QUICK_IMG = HERE / "results" / "quick" / "img"
 
 N_BALANCE = 10_000
 SIGMA = 1.0
@@ -366,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {_display(out)}")
+    png = plot_balance(data, (QUICK_IMG if args.quick else DOCS_IMG) / BALANCE_PNG)
+    if png is not None:
+        print(f"wrote {_display(png)}")
     return 0
 
 
