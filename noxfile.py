@@ -7,6 +7,7 @@ interpreter that runs nox, so no particular ``pythonX.Y`` has to be on PATH.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import nox
@@ -47,16 +48,28 @@ def mypy(session: nox.Session) -> None:
 
 @nox.session(python=None)
 def docs(session: nox.Session) -> None:
-    """Build the documentation site; any mkdocs warning fails the build."""
+    """Build the documentation site into site/; any mkdocs warning fails the build.
+
+    Every code sample of the pages is run or checked by ``tests/test_docs.py`` (part of
+    ``nox -s tests``; alone: ``nox -s tests -- tests/test_docs.py``).
+    """
     session.install(*CONSTRAINTS, "-e", ".[docs]")
-    session.run("mkdocs", "build", "--strict")
+    session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
 @nox.session(python=None)
 def benchmarks(session: nox.Session) -> None:
-    """Run ``benchmarks/run_all.py``; extra arguments are passed on to it."""
-    session.install(*CONSTRAINTS, "-e", ".[bench]")
-    session.run("python", "benchmarks/run_all.py", *session.posargs)
+    """Run every benchmark and regenerate docs/benchmarks.md and the figures in docs/img/.
+
+    About 9 minutes on a 2-core machine; run nothing else meanwhile. Extra arguments go to
+    ``benchmarks/run_all.py``: ``-- --quick`` (smoke test, written under
+    benchmarks/results/quick/), ``-- --docs-only`` (render the page and redraw the figures
+    from the recorded results), ``-- --only detection``.
+    """
+    started = time.time()  # the recorded wall time includes the install below
+    # numpy: see `tests`; matplotlib (the `bench` extra) draws the figures.
+    session.install(*CONSTRAINTS, "-e", ".[bench]", "numpy")
+    session.run("python", "benchmarks/run_all.py", "--started", f"{started:.3f}", *session.posargs)
 
 
 @nox.session(python=None)
