@@ -206,7 +206,8 @@ def _run_line(results: Path) -> list[str]:
     total = meta.get("seconds", 0.0)
     how = meta.get("command", "python benchmarks/run_all.py")
     parts = [
-        f"The last full run, `{how}`, took {int(total // 60)} min {total % 60:.0f} s "
+        f"The last {'quick' if meta.get('quick') else 'full'} run, `{how}`, took "
+        f"{int(total // 60)} min {total % 60:.0f} s "
         f"of wall time on {meta.get('machine', 'this machine')} ({meta.get('date', '?')}"
     ]
     if meta.get("includes_install"):
@@ -713,10 +714,13 @@ def _record_run(
     started = args.started if args.started is not None else t_start
     info = machine_info()
     seconds = round(time.time() - started, 1)
+    if args.started is not None:
+        command = "python -m nox -s benchmarks" + (" -- --quick" if args.quick else "")
+    else:
+        command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
     meta = {
-        "command": "python -m nox -s benchmarks"
-        if args.started is not None
-        else "python benchmarks/run_all.py" + (" --quick" if args.quick else ""),
+        "command": command,
+        "quick": args.quick,
         "includes_install": args.started is not None,
         "seconds": seconds,
         "scripts_s": times,
