@@ -17,6 +17,7 @@ from .collectives import (
 )
 from .config import ResilienceConfig, RetryPolicy, get_config, set_config
 from .ddp import ResilientDDP
+from .elastic_sampler import ElasticDistributedSampler
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -45,6 +46,7 @@ __all__ = [
     "ConfigError",
     "ControlPlaneError",
     "Culprit",
+    "ElasticDistributedSampler",
     "LockstepBatchSampler",
     "PreflightError",
     "RankFailureError",

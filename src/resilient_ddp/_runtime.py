@@ -59,6 +59,7 @@ class PendingOp:
         "done",
         "event",
         "future",
+        "hold",
         "name",
         "result_fn",
         "seq",
@@ -81,6 +82,9 @@ class PendingOp:
         self.future = future
         self.result_fn = result_fn
         self.settled = threading.Lock()
+        # Elastic training settles the future itself after recovery (a redone reduction):
+        # failures only wake the waiting thread.
+        self.hold = False
 
     def attach(self, work: Any) -> None:
         """Complete this op when the backend ``work`` completes."""
@@ -97,7 +101,7 @@ class PendingOp:
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             self.backend_error = e
         self.done = True
-        if self.backend_error is not None and self.future is not None:
+        if self.backend_error is not None and self.future is not None and not self.hold:
             # The waiting thread explains it with a typed error; this only keeps a consumer
             # that never reaches that thread (DDP's own finalize) from waiting forever.
             self.fail_future(self.backend_error)
@@ -109,7 +113,7 @@ class PendingOp:
 
     def fail_future(self, error: BaseException) -> None:
         """Fail the async future (once); blocking waiters are woken through :attr:`event`."""
-        if self.future is not None and self.settled.acquire(blocking=False):
+        if self.future is not None and not self.hold and self.settled.acquire(blocking=False):
             self.future.set_exception(error)
         self.event.set()
 
@@ -168,6 +172,7 @@ class Runtime:
         self.last_straggler_report: dict[str, Any] = {}
         self.raised = False  # this rank raised a failure error: its departure is a consequence
         self.watchdog: Any = None
+        self.elastic: Any = None  # elastic.Elastic with on_failure="shrink"
         # time.monotonic() of the watchdog's last completed tick (0: no watchdog yet); a
         # tick that does not complete within stall_s means the store stopped answering.
         self.watchdog_tick = 0.0
@@ -285,7 +290,7 @@ class Runtime:
             self._fail_pending(p)
 
     def _fail_pending(self, p: PendingOp) -> None:
-        if p.future is not None:
+        if p.future is not None and not p.hold:
             p.fail_future(self.build_error(p.name, p.seq))
         else:
             p.event.set()

@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -95,6 +95,12 @@ class ResilienceConfig(_Model):
             more than this fraction (0.3 = 30 %) on three checks in a row is reported as a
             straggler (a warning on rank 0; never an error).
         straggler_interval: How often rank 0 checks for stragglers (default 10 s).
+        on_failure: ``"raise"`` (default): every rank raises the typed error; pair it with
+            torchrun's restarts and checkpoints. ``"shrink"``: ``ResilientDDP`` training
+            goes on with the survivors (a new generation of the group, state made
+            identical, the failed step redone or skipped) and admits replacements.
+        min_world_size: With ``on_failure="shrink"``, the fewest ranks training may go on
+            with (default 1); below it every survivor raises :class:`RankFailureError`.
     """
 
     op_timeout: timedelta = timedelta(seconds=60)
@@ -108,6 +114,8 @@ class ResilienceConfig(_Model):
     stack_depth: int = Field(default=8, ge=1, le=100)
     straggler_margin: float = Field(default=0.3, ge=0.0)
     straggler_interval: timedelta = timedelta(seconds=10)
+    on_failure: Literal["raise", "shrink"] = "raise"
+    min_world_size: int = Field(default=1, ge=1)
 
     @field_validator(
         "op_timeout",
@@ -190,7 +198,7 @@ class ResilienceConfig(_Model):
 
 
 # Variables under the prefix that belong to the launcher/runtime, not to the config.
-_IGNORED_ENV = frozenset({"store", "joiner", "spawn_id", "fault"})
+_IGNORED_ENV = frozenset({"store", "joiner", "uid", "fault"})
 
 
 def _env_fields() -> dict[str, tuple[str, str]]:

@@ -32,12 +32,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
-from . import _runtime
+from . import _runtime, elastic
 from ._backend import nccl_version
 from ._runtime import PendingOp, Runtime
-from .collectives import _Op, all_gather_object, broadcast
+from .collectives import _Op, all_gather_object, all_reduce, broadcast
 from .config import ResilienceConfig
-from .errors import ConfigError, PreflightError, ResilientDDPError, format_rank_table
+from .errors import (
+    ConfigError,
+    ControlPlaneError,
+    PreflightError,
+    RankFailureError,
+    ResilientDDPError,
+    format_rank_table,
+)
 from .process_group import ensure_runtime
 
 __all__ = ["ResilientDDP"]
@@ -83,10 +90,26 @@ class ResilientDDP(DistributedDataParallel):
         rt = ensure_runtime(resilience)
         self._rd_config = resilience if resilience is not None else rt.config
         group = kwargs.get("process_group")
-        _check_agreement(rt, self._rd_config, module, args, kwargs, group)
+        el = rt.elastic
+        if el is not None and group is not None:
+            raise ConfigError(
+                "on_failure='shrink' rebuilds the default process group after a failure; "
+                "ResilientDDP cannot follow a process_group of your own there."
+            )
+        self._rd_args, self._rd_kwargs = args, dict(kwargs)
+        joining = el is not None and el.received is not None and "model" in el.received
+        if joining:
+            # A joiner: the members sent their state when they admitted it; they do not
+            # take part in construction-time checks or DDP's initial broadcast.
+            module.load_state_dict(el.received.pop("model"))
+            kwargs["init_sync"] = False
+            el.pending_optim = el.received.pop("optim", None)
+        else:
+            _check_agreement(rt, self._rd_config, module, args, kwargs, group)
         # Buffers are broadcast in forward by our bounded broadcast (see
         # _default_broadcast_coalesced), so DDP keeps its own switch.
         super().__init__(module, *args, **kwargs)
+        self._rd_buckets: list[tuple[torch.futures.Future[torch.Tensor], list[Any], Any]] = []
         self._rd_inner_hook: Callable[..., Any] | None = None
         self._rd_inner_state: Any = None
         self._rd_pass: list[tuple[_Op, PendingOp, Any]] = []
@@ -128,6 +151,8 @@ class ResilientDDP(DistributedDataParallel):
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         rt = _runtime.current()
+        if rt is not None and rt.elastic is not None and not rt.local_forward:
+            return self._rd_elastic_forward(rt, inputs, kwargs)
         if rt is not None:
             # A known failure makes the step fail now, not in its first collective.
             rt.raise_if_failed("forward", rt.seq + 1)
@@ -144,12 +169,215 @@ class ResilientDDP(DistributedDataParallel):
             rt.phase = "forward"
             self._rd_compute_start = time.monotonic()
         output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+        return self._rd_watch_backward(output)
+
+    def _rd_watch_backward(self, output: Any) -> Any:
         if torch.is_grad_enabled():
             self._rd_callback_queued = False
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._rd_on_backward_start)  # type: ignore[no-untyped-call]
         return output
+
+    def _rd_local_forward(self, inputs: Any, kwargs: Any) -> Any:
+        """The wrapped module's forward without DDP's synchronisation (no reducer hooks)."""
+        if self.device_ids:
+            moved, moved_kwargs = self.to_kwargs(  # type: ignore[no-untyped-call]
+                inputs, kwargs, self.device_ids[0]
+            )
+            inputs, kwargs = moved[0], moved_kwargs[0]
+        return self.module(*inputs, **kwargs)
+
+    # -- elastic training (on_failure="shrink") ----------------------------------------------
+    def _rd_elastic_forward(self, rt: Runtime, inputs: Any, kwargs: Any) -> Any:
+        el = rt.elastic
+        el.skip_step = False
+        while True:
+            try:
+                if (el.join_seen or el.grow is not None) and elastic.maybe_admit(
+                    rt, el, self._rd_snapshot
+                ):
+                    el.rebuild = True
+                if el.rebuild:
+                    self._rd_rebuild_reducer()
+                rt.raise_if_failed("forward", rt.seq + 1)
+                rt.phase = "forward"
+                self._rd_compute_start = time.monotonic()
+                output = DistributedDataParallel.forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
+                return self._rd_watch_backward(output)
+            except RankFailureError as e:
+                if isinstance(e, ControlPlaneError):
+                    raise
+                cause: RankFailureError = e
+            dec = elastic.recover(
+                rt,
+                where="forward",
+                has_grads=False,
+                cause=cause,
+                snapshot=self._rd_snapshot,
+                load=self._rd_load,
+            )
+            el.rebuild = True
+            if dec["outcome"] == "continue":
+                continue  # this step goes on, on the new group
+            # Discarded on every survivor: compute locally, the optimizer step is skipped.
+            el.skip_step = True
+            el.rollback()
+            return self._rd_local_forward(inputs, kwargs)
+
+    def _rd_rebuild_reducer(self) -> None:
+        """Rebuild DDP's reducer in place on the current default group (FINDINGS): the
+        object, ``.module`` and the optimizer stay; states already agree, so no sync."""
+        for name in ("reducer", "logger"):
+            if hasattr(self, name):
+                delattr(self, name)
+        kwargs = dict(self._rd_kwargs)
+        kwargs["init_sync"] = False
+        DistributedDataParallel.__init__(self, self.module, *self._rd_args, **kwargs)
+        DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
+        rt = _runtime.current()
+        if rt is not None and rt.elastic is not None:
+            rt.elastic.rebuild = False
+
+    def _rd_snapshot(self) -> dict[str, Any]:
+        """What a survivor or joiner takes over from the state source."""
+        rt = _runtime.current()
+        assert rt is not None
+        assert rt.elastic is not None
+        el = rt.elastic
+        return {
+            "model": self.module.state_dict(),
+            "optim": [o.state_dict() for o in _live(el.optimizers)],
+            "committed": el.committed,
+            "samplers": [s.state_dict() for s in el.live_samplers()],
+            "extras": {k: v.state_dict() for k, v in el.extras.items()},
+            "admitted": el.admitted,
+            "history": el.history,
+        }
+
+    def _rd_load(self, state: dict[str, Any]) -> None:
+        rt = _runtime.current()
+        assert rt is not None
+        assert rt.elastic is not None
+        el = rt.elastic
+        self.module.load_state_dict(state["model"])
+        optimizers = _live(el.optimizers)
+        if optimizers and len(optimizers) == len(state["optim"]):
+            for o, sd in zip(optimizers, state["optim"], strict=True):
+                o.load_state_dict(sd)
+        else:
+            el.pending_optim = list(state["optim"])  # loaded when they first step
+        el.committed = int(state["committed"])
+        for smp, sd in zip(el.live_samplers(), state["samplers"], strict=False):
+            smp.load_state_dict(sd)
+        for k, sd in state["extras"].items():
+            if k in el.extras:
+                el.extras[k].load_state_dict(sd)
+
+    def _rd_recover_in_backward(self, rt: Runtime, cause: RankFailureError) -> None:
+        """A reduction of this backward pass failed with ``on_failure="shrink"``: recover,
+        then settle every bucket's future (redone over the survivors, or discarded)."""
+        el = rt.elastic
+        buckets, self._rd_buckets = self._rd_buckets, []
+        has_grads = not self.gradient_as_bucket_view and self._rd_inner_hook is None
+        while True:
+            dec = elastic.recover(
+                rt,
+                where="reduce",
+                has_grads=has_grads,
+                cause=cause,
+                snapshot=self._rd_snapshot,
+                load=self._rd_load,
+            )
+            el.rebuild = True
+            if dec["outcome"] != "redo":
+                break
+            try:
+                redone = [self._rd_redo(params) for _, params, _ in buckets]
+            except RankFailureError as e:
+                if isinstance(e, ControlPlaneError):
+                    raise
+                cause = e
+                continue
+            for (fut, _, _), flat in zip(buckets, redone, strict=True):
+                _settle(fut, flat)
+            el.commit(el.members)
+            return
+        # Skipped: DDP copies these zeros into the gradients, and the optimizer step that
+        # follows is turned into a no-op (see _install_optimizer_hooks).
+        for fut, _, like in buckets:
+            _settle(fut, torch.zeros_like(like))
+        el.skip_step = True
+        el.rollback()
+
+    def _rd_redo(self, params: list[Any]) -> torch.Tensor:
+        """This rank's local gradients of one bucket, averaged over the new group."""
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        cfg = self._rd_config
+        all_reduce(flat, timeout=cfg.op_timeout, validate=False)
+        return flat.div_(dist.get_world_size())
+
+    def register_elastic_state(self, name: str, obj: Any) -> None:
+        """Send ``obj``'s state (``state_dict()`` / ``load_state_dict()``, e.g. an LR
+        scheduler or a step counter of yours) with the model to survivors that take the
+        state over and to joiners, under ``name``. A no-op without ``on_failure="shrink"``.
+
+        Raises:
+            ConfigError: ``obj`` has no ``state_dict``/``load_state_dict``.
+        """
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ConfigError(f"{name!r}: {obj!r} has no state_dict()/load_state_dict()")
+        rt = _runtime.current()
+        if rt is None or rt.elastic is None:
+            return
+        rt.elastic.extras[name] = obj
+        received = rt.elastic.received
+        if received is not None and name in received.get("extras", {}):
+            obj.load_state_dict(received["extras"].pop(name))
+
+    @property
+    def resilience_stats(self) -> dict[str, Any]:
+        """What happened to this job so far, as seen by this rank.
+
+        Returns:
+            ``{"rank", "world_size", "generation", "step", "failures", "joins",
+            "redone_steps", "skipped_steps", "recovery_s", "events", "world_size_history"}``:
+            ``step`` is the number of committed steps (reductions applied), ``events`` one
+            record per shrink or join (culprits, outcome, timings), ``recovery_s`` the
+            recovery time of each shrink in seconds. Without ``on_failure="shrink"`` only
+            rank, world size and generation are filled in.
+        """
+        rt = _runtime.current()
+        out: dict[str, Any] = {
+            "rank": rt.rank if rt else -1,
+            "world_size": rt.world_size if rt else 0,
+            "generation": rt.generation if rt else -1,
+            "step": 0,
+            "failures": 0,
+            "joins": 0,
+            "redone_steps": 0,
+            "skipped_steps": 0,
+            "recovery_s": [],
+            "events": [],
+            "world_size_history": [],
+        }
+        if rt is None or rt.elastic is None:
+            return out
+        el = rt.elastic
+        shrinks = [e for e in el.events if e["kind"] == "shrink"]
+        out.update(
+            step=el.committed,
+            failures=len(shrinks),
+            joins=sum(1 for e in el.events if e["kind"] == "join"),
+            redone_steps=el.redone,
+            skipped_steps=el.skipped,
+            recovery_s=[e["recovery_s"] for e in shrinks],
+            events=[dict(e) for e in el.events],
+            world_size_history=[(h["step"], h["world_size"]) for h in el.history],
+        )
+        return out
 
     def _rd_on_backward_start(self, grad: torch.Tensor) -> torch.Tensor:
         if not self._rd_callback_queued:
@@ -177,6 +405,15 @@ class ResilientDDP(DistributedDataParallel):
                 raise error
             for op, p, keep in ops:
                 op.wait_pending(p, keep)
+        except RankFailureError as e:
+            if rt is None or rt.elastic is None or isinstance(e, ControlPlaneError):
+                raise
+            rt.end_op()
+            self._rd_recover_in_backward(rt, e)
+        else:
+            if rt is not None and rt.elastic is not None and self._rd_buckets:
+                self._rd_buckets = []
+                rt.elastic.commit(rt.elastic.members)
         finally:
             if rt is not None:
                 rt.end_op()
@@ -250,6 +487,12 @@ def _resilient_hook(
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[tensor.device] if tensor.device.type == "cuda" else None
     )
+    rt0 = _runtime.current()
+    elastic_mode = rt0 is not None and rt0.elastic is not None
+    if elastic_mode:
+        # Kept to settle the future after a recovery: the bucket's parameters (whose .grad
+        # still holds this rank's local gradients) and a tensor of its size.
+        ddp._rd_buckets.append((result, bucket.parameters(), tensor))
     try:
         group = ddp._rd_group
         cfg = ddp._rd_config
@@ -263,7 +506,8 @@ def _resilient_hook(
         )
     except ResilientDDPError as e:
         ddp._rd_pass_error = e
-        result.set_exception(e)  # type: ignore[arg-type]  # stubs say Tensor; any exception works
+        if not elastic_mode:
+            result.set_exception(e)  # type: ignore[arg-type]  # stubs: Tensor; any exception works
         return result
     rt = op.rt
     if ddp._rd_inner_hook is None:
@@ -283,6 +527,7 @@ def _resilient_hook(
             return v
 
     p = PendingOp(op.name, op.seq, future=result, result_fn=pick)
+    p.hold = elastic_mode
     rt.register(p)
     p.attach_future(inner)
     if ddp._rd_callback_queued:
@@ -432,6 +677,8 @@ def _install_optimizer_hooks() -> None:
         rt = _runtime.current()
         if rt is not None:
             rt.phase = "optimizer"
+            if rt.elastic is not None:
+                _elastic_pre_step(rt.elastic, opt)
 
     def post(opt: Any, args: Any, kwargs: Any) -> None:
         rt = _runtime.current()
@@ -441,3 +688,35 @@ def _install_optimizer_hooks() -> None:
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
     _optimizer_hooks_installed = True
+
+
+def _elastic_pre_step(el: Any, opt: Any) -> None:
+    """Track the optimizers (their state moves with the model), load state received for
+    them, and turn a discarded step into a no-op (optimizers skip parameters without a
+    gradient, so neither parameters nor their state change)."""
+    optimizers = _live(el.optimizers)
+    if not any(o is opt for o in optimizers):
+        el.optimizers.append(weakref.ref(opt))
+        optimizers.append(opt)
+    index = next(i for i, o in enumerate(optimizers) if o is opt)
+    pending = el.pending_optim
+    if pending is not None and index < len(pending) and pending[index] is not None:
+        opt.load_state_dict(pending[index])
+        pending[index] = None
+    if el.skip_step:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+def _live(refs: list[weakref.ReferenceType[Any]]) -> list[Any]:
+    out = [r() for r in refs]
+    return [o for o in out if o is not None]
+
+
+def _settle(fut: torch.futures.Future[torch.Tensor], value: torch.Tensor) -> None:
+    """Complete a bucket's future with ``value`` (or overwrite the value it completed with)."""
+    if fut.done():
+        fut.value().copy_(value)
+    else:
+        fut.set_result(value)

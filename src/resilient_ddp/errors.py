@@ -330,6 +330,8 @@ class RankOutcome:
         exc_message: That exception's message.
         traceback: That exception's formatted traceback.
         exception: The exception object itself when it could be pickled back.
+        previous: With ``spawn(restarts=N)``, how the earlier processes of this slot ended
+            (each was replaced by a joiner), oldest first.
     """
 
     rank: int
@@ -339,6 +341,7 @@ class RankOutcome:
     exc_message: str | None = None
     traceback: str | None = None
     exception: BaseException | None = field(default=None, compare=False)
+    previous: tuple[RankOutcome, ...] = field(default=(), compare=False)
 
     @property
     def ok(self) -> bool:

@@ -9,7 +9,9 @@ each rank ended.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
+import json
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -41,6 +43,7 @@ def spawn(
     grace: timedelta = _DEFAULT_GRACE,
     start_method: str = "spawn",
     env: Mapping[str, str] | None = None,
+    restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``nprocs`` local processes and wait for them.
 
@@ -60,16 +63,28 @@ def spawn(
             themselves before they are killed.
         start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"``.
         env: Extra environment variables for the processes.
+        restarts: For elastic training (``on_failure="shrink"``): how many replacement
+            processes may be started in all. A process that dies, raises or is removed from
+            the group is replaced by a new one started as a joiner
+            (``RESILIENT_DDP_JOINER=1``, same ``fn(rank, ...)`` slot), and the others are not
+            stopped. ``0`` (default): no replacement; a failure ends the job as above.
 
     Returns:
-        The return values of ``fn``, indexed by rank.
+        The return values of ``fn``, indexed by rank (slot).
 
     Raises:
         SpawnError: A process raised, exited non-zero, was killed or overran ``timeout``;
             ``outcomes`` holds each rank's exit code, return value and traceback.
     """
     outcomes = launch(
-        fn, nprocs, args, timeout=timeout, grace=grace, start_method=start_method, env=env
+        fn,
+        nprocs,
+        args,
+        timeout=timeout,
+        grace=grace,
+        start_method=start_method,
+        env=env,
+        restarts=restarts,
     )
     failed = [o for o in outcomes if not o.ok]
     if failed:
@@ -107,9 +122,10 @@ def launch(
     grace: timedelta = _DEFAULT_GRACE,
     start_method: str = "spawn",
     env: Mapping[str, str] | None = None,
+    restarts: int = 0,
 ) -> list[RankOutcome]:
     """Like :func:`spawn`, but return every rank's :class:`RankOutcome` instead of raising."""
-    job = _Job(fn, nprocs, tuple(args), start_method, env or {})
+    job = _Job(fn, nprocs, tuple(args), start_method, env or {}, restarts)
     try:
         job.supervise(timeout, grace)
     finally:
@@ -127,11 +143,13 @@ class _Job:
         args: tuple[Any, ...],
         start_method: str,
         env: Mapping[str, str],
+        restarts: int = 0,
     ) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.control_root = ctl.root_prefix(self.store)
-        ctx: Any = mp.get_context(start_method)
-        base_env = {
+        self.fn, self.args, self.nprocs = fn, args, nprocs
+        self.ctx: Any = mp.get_context(start_method)
+        self.base_env = {
             "WORLD_SIZE": str(nprocs),
             "LOCAL_WORLD_SIZE": str(nprocs),
             "MASTER_ADDR": "127.0.0.1",
@@ -142,24 +160,43 @@ class _Job:
             "TORCHELASTIC_RESTART_COUNT": "0",
             **env,
         }
+        self.restarts_left = restarts
+        self.elastic = restarts > 0
         self.procs: list[Any] = []
         self.conns: list[Any] = []
+        self.uids: list[int] = []  # member id of each slot's current process
+        self.previous: dict[int, list[RankOutcome]] = {}
         for rank in range(nprocs):
-            recv, send = ctx.Pipe(duplex=False)
-            child_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-            p = ctx.Process(
-                target=_child_main,
-                args=(fn, rank, args, child_env, send),
-                name=f"resilient_ddp-rank{rank}",
-            )
-            p.start()
-            send.close()
-            self.procs.append(p)
-            self.conns.append(recv)
+            self.procs.append(None)
+            self.conns.append(None)
+            self.uids.append(rank)
+            self._start(rank, joiner=False)
         self.results: dict[int, tuple[str, Any]] = {}
         self.killed: set[int] = set()
+        self.ever_member: set[int] = set(range(nprocs))
 
-    def supervise(self, timeout: timedelta | None, grace: timedelta) -> None:
+    def _start(self, rank: int, *, joiner: bool) -> None:
+        recv, send = self.ctx.Pipe(duplex=False)
+        child_env = {
+            **self.base_env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+        }
+        if joiner:
+            child_env["RESILIENT_DDP_JOINER"] = "1"
+            child_env["RESILIENT_DDP_UID"] = str(self.uids[rank])
+        p = self.ctx.Process(
+            target=_child_main,
+            args=(self.fn, rank, self.args, child_env, send),
+            name=f"resilient_ddp-rank{rank}",
+        )
+        p.start()
+        send.close()
+        self.procs[rank] = p
+        self.conns[rank] = recv
+
+    def supervise(self, timeout: timedelta | None, grace: timedelta) -> None:  # noqa: PLR0912
         """Collect results until every process ended, the deadline, or the grace period
         after the first failure; report deaths to the survivors through the store."""
         now = time.monotonic()
@@ -176,24 +213,67 @@ class _Job:
                 if c in ready and not c.closed:
                     _drain(c, rank, self.results)
             now = time.monotonic()
+            if self.elastic:
+                self._remove_evicted()
             for rank, p in enumerate(self.procs):
                 if p.exitcode is None or rank in exited:
                     continue
+                result = self.results.get(rank, ("", None))
+                raised = result[0] == "error"
+                failed = p.exitcode != 0 or raised
+                if raised and str(result[1][0]).startswith("resilient_ddp."):
+                    # Our error: the group itself cannot go on (too few ranks); replacing
+                    # the process would only wait for a group that is gone.
+                    self.restarts_left = 0
+                if failed and self.restarts_left > 0:
+                    self._replace(rank)
+                    continue
                 exited.add(rank)
-                raised = self.results.get(rank, ("",))[0] == "error"
-                if p.exitcode != 0 or raised:
+                if failed and not self.elastic:
                     kill_at = min(kill_at, now + grace.total_seconds())
-                if p.exitcode != 0 and not raised:
+                if p.exitcode != 0 and not raised and not self.elastic:
                     _report_death(self.control_root, rank, p.exitcode)
-            if now >= next_event_poll and kill_at == float("inf"):
+            if now >= next_event_poll and kill_at == float("inf") and not self.elastic:
                 # A failure reported by the ranks themselves (a timeout naming a stopped
                 # rank, say) also starts the grace period: such a rank may never exit.
                 next_event_poll = now + 0.25
-                events_seen, failed = _failure_reported(self.control_root, events_seen)
-                if failed:
+                events_seen, failed_seen = _failure_reported(self.control_root, events_seen)
+                if failed_seen:
                     kill_at = now + grace.total_seconds()
             if now >= min(deadline, kill_at):
                 return
+
+    def _replace(self, rank: int) -> None:
+        """Record how slot ``rank``'s process ended and start a joiner in its place."""
+        p, conn = self.procs[rank], self.conns[rank]
+        while not conn.closed and conn.poll(0):
+            _drain(conn, rank, self.results)
+        if not conn.closed:
+            conn.close()
+        exitcode = None if rank in self.killed else p.exitcode
+        self.killed.discard(rank)
+        self.previous.setdefault(rank, []).append(
+            _outcome(rank, exitcode, self.results.pop(rank, ("none", None)))
+        )
+        self.restarts_left -= 1
+        self.uids[rank] = self.nprocs + sum(len(v) for v in self.previous.values()) - 1
+        self._start(rank, joiner=True)
+
+    def _remove_evicted(self) -> None:
+        """Kill a process the group removed (stopped or hung while the others went on)."""
+        try:
+            if not self.control_root.check(["members"]):
+                return
+            members = set(json.loads(self.control_root.get("members"))["members"])
+        except Exception:  # noqa: BLE001 - the store is ours; a failed read is retried
+            return
+        self.ever_member |= members
+        for rank, p in enumerate(self.procs):
+            uid = self.uids[rank]
+            if p.is_alive() and uid in self.ever_member and uid not in members:
+                self.killed.add(rank)
+                p.kill()
+                p.join(5)
 
     def _open_conns(self) -> list[Any]:
         return [c for c in self.conns if not c.closed]
@@ -215,14 +295,18 @@ class _Job:
     def outcomes(self) -> list[RankOutcome]:
         out = []
         for rank, p in enumerate(self.procs):
-            kind, payload = self.results.get(rank, ("none", None))
             exitcode = None if rank in self.killed else p.exitcode
-            if kind == "error":
-                exc_type, exc_message, tb, exc = payload
-                out.append(RankOutcome(rank, exitcode, None, exc_type, exc_message, tb, exc))
-            else:
-                out.append(RankOutcome(rank, exitcode, payload if kind == "value" else None))
+            o = _outcome(rank, exitcode, self.results.get(rank, ("none", None)))
+            out.append(dataclasses.replace(o, previous=tuple(self.previous.get(rank, []))))
         return out
+
+
+def _outcome(rank: int, exitcode: int | None, result: tuple[str, Any]) -> RankOutcome:
+    kind, payload = result
+    if kind == "error":
+        exc_type, exc_message, tb, exc = payload
+        return RankOutcome(rank, exitcode, None, exc_type, exc_message, tb, exc)
+    return RankOutcome(rank, exitcode, payload if kind == "value" else None)
 
 
 def _drain(conn: Any, rank: int, results: dict[int, tuple[str, Any]]) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import _control as ctl
 from ._backend import abort_group, default_pg_timeout
 from ._runtime import Runtime
-from .errors import RankFailureError
+from .errors import PreflightError, RankFailureError
 from .process_group import _join_control_plane
 
 __all__: list[str] = []
@@ -62,7 +62,11 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
             )
         time.sleep(0.02)
         votes = int(store.add(key, 0))
-    rebuild(rt, rt.generation + 1, timeout_s=max(1.0, deadline - time.monotonic()))
+    # Generation numbers come from one counter in the store (elastic training draws from it
+    # too); the first voter's draw is the one every rank uses.
+    draw = rt.generation + int(rt.control_root.add("gen_seq", 1))
+    gen = int(rt.control_root.compare_set(f"{key}/gen/g{rt.generation}", "", str(draw)))
+    rebuild(rt, gen, timeout_s=max(1.0, deadline - time.monotonic()))
     log.warning(
         "rank %d: %s#%d retried as a group (attempt %d), now generation %d",
         rt.rank,
@@ -73,33 +77,44 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
     )
 
 
-def rebuild(rt: Runtime, generation: int, *, timeout_s: float) -> None:
+def rebuild(
+    rt: Runtime,
+    generation: int,
+    *,
+    timeout_s: float,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> None:
     """Replace the default process group with a fresh one for ``generation``.
 
-    Blocks while the new group rendezvouses, at most ``timeout_s`` seconds.
+    ``rank`` and ``world_size`` default to the current ones (a group retry); elastic
+    training passes the new ones. Blocks while the new group rendezvouses, at most
+    ``timeout_s`` seconds. The watchdog of the old generation keeps running until the new
+    group exists, so that failures during the rendezvous are still noticed.
 
     Raises:
         RankFailureError: The new group did not form in time (the backend's error is kept
             as ``__cause__``).
     """
-    if rt.watchdog is not None:
-        rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
+    rank = rt.rank if rank is None else rank
+    world_size = rt.world_size if world_size is None else world_size
     backend = rt.backend
-    # An aborted gloo group must be abandoned, never reused (FINDINGS); abort first so that
-    # destroy does not wait on the stale op.
-    abort_group()
-    from .process_group import _abandoned
+    if dist.is_initialized():
+        # An aborted gloo group must be abandoned, never reused (FINDINGS); abort first so
+        # that destroy does not wait on the stale op.
+        abort_group()
+        from .process_group import _abandoned
 
-    _abandoned.append((dist.group.WORLD, list(rt.stuck)))
-    rt.stuck.clear()
-    dist.destroy_process_group()
+        _abandoned.append((dist.group.WORLD, list(rt.stuck)))
+        rt.stuck.clear()
+        dist.destroy_process_group()
     store = dist.PrefixStore(f"g{generation}/pg", rt.control_root)
     try:
         dist.init_process_group(
             backend,
             store=store,
-            rank=rt.rank,
-            world_size=rt.world_size,
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
     except Exception as e:
@@ -109,16 +124,26 @@ def rebuild(rt: Runtime, generation: int, *, timeout_s: float) -> None:
             f"({type(e).__name__}: {e})",
             generation=rt.generation,
         ) from e
+    if rt.watchdog is not None:
+        rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
+        rt.watchdog = None
     # Later ops must not inherit the short rendezvous timeout.
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is not None:
         set_timeout(default_pg_timeout(rt.config.effective_op_budget, rt.config.heartbeat_timeout))
+    rt.rank, rt.world_size = rank, world_size
+    rt.identity["rank"] = rank
     rt.generation = generation
     rt.control = ctl.ControlPlane(rt.control_root, generation)
     with rt.lock:
         rt.failures.clear()
         rt.left.clear()
-    _join_control_plane(rt)
+    rt.status = "running"
+    try:
+        _join_control_plane(rt, timeout=timedelta(seconds=max(timeout_s, 1.0)))
+    except PreflightError as e:
+        rt.mark_raised()
+        raise RankFailureError(str(e), generation=generation) from e
     if rt.rank == 0:
         # The launcher (rd.spawn) reads the current generation from here.
         rt.control_root.set("gen", str(generation))

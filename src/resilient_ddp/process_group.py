@@ -16,6 +16,8 @@ from . import _runtime
 from ._backend import abort_group, backend_name, default_pg_timeout
 from ._runtime import Runtime
 from .config import ResilienceConfig, get_config
+from .elastic import JOINER_ENV, join
+from .elastic import setup as elastic_setup
 from .errors import ConfigError, PreflightError
 from .preflight import preflight
 from .watchdog import Watchdog
@@ -76,6 +78,12 @@ def init_process_group(
     if _runtime.current() is not None:
         raise ConfigError("resilient_ddp is already initialised in this process.")
     cfg = config if config is not None else get_config()
+    if os.environ.get(JOINER_ENV, "") not in ("", "0") and not dist.is_initialized():
+        # A replacement for a failed rank: it joins the running job at a step boundary.
+        rt, _ = join(backend, cfg, cfg.init_timeout)
+        _runtime.set_current(rt)
+        _runtime.install_hooks()
+        return
     if not dist.is_initialized():
         pg_timeout = (
             timeout
@@ -163,25 +171,27 @@ def attach(
         config=cfg,
     )
     _join_control_plane(rt)
+    elastic_setup(rt)
     _runtime.set_current(rt)
     _runtime.install_hooks()
     return rt
 
 
-def _join_control_plane(rt: Runtime) -> None:
+def _join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:
     c = rt.control
+    timeout = rt.config.init_timeout if timeout is None else timeout
     c.publish_info(rt.rank, rt.identity)
     c.init_counters()
     c.publish_state(rt.rank, rt.snapshot(0))
     keys = [f"state/{r}" for r in range(rt.world_size)]
     keys += [f"info/{r}" for r in range(rt.world_size)]
     try:
-        c.wait_keys(keys, rt.config.init_timeout)
+        c.wait_keys(keys, timeout)
     except Exception as e:
         missing = [r for r in range(rt.world_size) if not c.has_state(r)]
         raise PreflightError(
             f"Rank(s) {missing} did not attach to resilient_ddp within "
-            f"{rt.config.init_timeout}: every rank must call resilient_ddp.init_process_group() "
+            f"{timeout}: every rank must call resilient_ddp.init_process_group() "
             "(or its first resilient_ddp collective) at start-up.",
             problems=[f"rank {r} never attached" for r in missing],
         ) from e

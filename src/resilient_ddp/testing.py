@@ -25,16 +25,20 @@ def run_ranks(
     *,
     timeout: timedelta = timedelta(seconds=60),
     grace: timedelta = timedelta(seconds=5),
+    restarts: int = 0,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, *args)`` on ``world_size`` local processes, never raising.
 
     The parent hosts the store on a free port (``TCPStore(port=0)``). Blocks at most
     ``timeout``, and at most ``grace`` after the first failure; then kills what is left.
 
+    With ``restarts``, failed processes are replaced by joiners (see
+    :func:`resilient_ddp.spawn`).
+
     Returns:
         How each rank ended, indexed by rank (with its traceback if it raised).
     """
-    return launch(fn, world_size, args, timeout=timeout, grace=grace)
+    return launch(fn, world_size, args, timeout=timeout, grace=grace, restarts=restarts)
 
 
 def format_outcomes(outcomes: Sequence[RankOutcome]) -> str:

@@ -123,6 +123,11 @@ class Watchdog(threading.Thread):
         if diag > self._diag_answered:
             self._diag_answered = diag
             self.control.publish_state(rt.rank, self._state(with_stack=True))
+        if rt.elastic is not None:
+            # Join requests: the main thread acknowledges them at its next forward.
+            joins = int(self.control.root.add("join/n", 0))
+            if joins > rt.elastic.joins_seen:
+                rt.elastic.join_seen = True
         self._check_heartbeats(states)
         self._check_local_processes()
         self._check_section()

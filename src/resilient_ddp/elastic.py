@@ -1,0 +1,604 @@
+"""Elastic training (``on_failure="shrink"``): survivors go on, replacements join.
+
+Everything here goes through the control-plane store, never through the broken data plane.
+
+**Shrink.** A rank whose ``ResilientDDP`` forward or gradient reduction fails because a
+peer failed posts a proposal under ``rd/rec/g<N>/r<k>/``: its member id, how many steps it
+has committed (gradient reductions completed), and where it is (``forward`` or
+``reduce``, with or without its local gradients). Once every rank of generation ``N`` has
+proposed or is known to have failed (the watchdog's reports), or ``op_timeout`` passed, any
+rank computes the decision from the proposals and the first ``compare_set`` wins, so every
+rank acts on the same one:
+
+* the members of the next generation (those that proposed, in their old order);
+* the outcome for the step in flight: ``redo`` its reduction over the survivors (every
+  survivor was in the reduction of the same step and has its local gradients),
+  ``continue`` (every survivor was at the start of the same step's forward), or ``skip``
+  it on every survivor (mixed positions);
+* the state source: the lowest rank among those that committed the most steps (counts
+  differ by at most one, since a reduction completes nowhere before every rank entered
+  it); the others take its model, optimizer, sampler and counter state over the new group.
+
+Too few survivors (``min_world_size``) or a minority of the previous generation (half is
+enough only when the lost ranks are known dead, not merely silent) make every survivor raise
+:class:`RankFailureError`: a partitioned minority never trains on its own. A failure while
+the new group forms (or while state is sent) starts another round.
+
+**Grow.** A process started with ``RESILIENT_DDP_JOINER=1`` posts a join request. The
+members' watchdogs see it; each member then acknowledges at its next forward with its
+committed step count, and the first member that sees every acknowledgement fixes the
+admission step ``S = max(acks) + 2``: every member reads the decision before reaching
+``S``, because no rank can pass a reduction another has not entered. At the forward of
+step ``S`` the members and the joiners form the next generation and rank 0 sends the state.
+Healthy steps pay nothing for this: no store call, no vote, only a flag check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _control as ctl
+from ._runtime import Runtime
+from .errors import ControlPlaneError, RankFailureError
+
+__all__: list[str] = []
+
+log = logging.getLogger("resilient_ddp")
+
+JOINER_ENV = "RESILIENT_DDP_JOINER"
+UID_ENV = "RESILIENT_DDP_UID"
+_POLL_S = 0.005
+_MAX_JOIN_TRIES = 2  # failed admissions of one joiner before its request is ignored
+
+
+@dataclass
+class Elastic:
+    """One process's elastic state (``Runtime.elastic``); read by the sampler and stats."""
+
+    uid: int
+    members: list[int]  # member ids by rank, current generation
+    committed: int = 0  # gradient reductions committed (= optimizer steps applied)
+    skip_step: bool = False  # the next optimizer step must not apply (discarded step)
+    rebuild: bool = False  # ResilientDDP's reducer must be rebuilt at the next forward
+    join_seen: bool = False  # the watchdog saw join requests
+    joins_seen: int = 0
+    acked: int = -1  # generation for which this rank acknowledged join requests
+    grow: dict[str, Any] | None = None  # the admission decision for this generation
+    admitted: list[int] = field(default_factory=list)
+    received: dict[str, Any] | None = None  # joiner: state received at admission
+    pending_optim: list[Any] | None = None  # optimizer states to load at the next step
+    optimizers: list[weakref.ReferenceType[Any]] = field(default_factory=list)
+    samplers: list[weakref.ReferenceType[Any]] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    redone: int = 0
+    skipped: int = 0
+
+    # -- samplers ----------------------------------------------------------------------------
+    def live_samplers(self) -> list[Any]:
+        out = [ref() for ref in self.samplers]
+        return [s for s in out if s is not None]
+
+    def commit(self, contributors: list[int]) -> None:
+        """A reduction completed with the gradients of ``contributors`` (member ids)."""
+        self.committed += 1
+        for s in self.live_samplers():
+            s._commit(contributors)
+
+    def rollback(self) -> None:
+        """The step in flight is discarded on every member."""
+        for s in self.live_samplers():
+            s._rollback()
+
+    def note_world(self, rt: Runtime, why: str) -> None:
+        self.history.append(
+            {
+                "t": time.time(),
+                "generation": rt.generation,
+                "world_size": rt.world_size,
+                "members": list(self.members),
+                "step": self.committed,
+                "why": why,
+            }
+        )
+
+
+def enabled(rt: Runtime | None) -> bool:
+    return rt is not None and getattr(rt, "elastic", None) is not None
+
+
+def setup(rt: Runtime) -> None:
+    """Give a runtime of generation 0 its elastic state (``on_failure="shrink"``)."""
+    if rt.config.on_failure != "shrink" or getattr(rt, "elastic", None) is not None:
+        return
+    # The first generation's member ids are its ranks; joiners get other ids.
+    rt.elastic = Elastic(uid=rt.rank, members=list(range(rt.world_size)))
+    rt.control_root.add("join/n", 0)
+    rt.elastic.note_world(rt, "start")
+
+
+# -- shrink ------------------------------------------------------------------------------------
+def recover(
+    rt: Runtime,
+    *,
+    where: str,
+    has_grads: bool,
+    cause: BaseException,
+    snapshot: Callable[[], dict[str, Any]],
+    load: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Agree on the next generation with the other survivors, form it, and make every
+    survivor's state identical. Blocks at most a few ``op_timeout``.
+
+    Returns:
+        The decision (``outcome`` is ``"redo"``, ``"continue"`` or ``"skip"``).
+
+    Raises:
+        RankFailureError: Too few survivors, a minority, this rank was removed from the
+            group, or no new generation could be formed within the budget.
+    """
+    el: Elastic = rt.elastic
+    t0 = time.monotonic()
+    cfg = rt.config
+    budget = 3 * cfg.op_timeout.total_seconds() + cfg.heartbeat_timeout.total_seconds()
+    before = {"generation": rt.generation, "world_size": rt.world_size}
+    first_culprits = _culprits(rt)
+    round_, candidates, gen_from = 0, list(range(rt.world_size)), rt.generation
+    while True:
+        if time.monotonic() - t0 > budget:
+            rt.mark_raised()
+            raise RankFailureError(
+                f"rank {rt.rank}: no new generation could be formed within {budget:.0f} s "
+                "after a failure; giving up",
+                culprits=first_culprits,
+                generation=rt.generation,
+            ) from cause
+        dec = _agree(rt, el, f"rec/g{gen_from}/r{round_}", candidates, where, has_grads)
+        if dec.get("fail"):
+            rt.mark_raised()
+            raise RankFailureError(
+                dec["fail"] + "".join("\n" + c.describe() for c in first_culprits),
+                culprits=first_culprits,
+                generation=rt.generation,
+            ) from cause
+        if el.uid not in dec["members"]:
+            rt.mark_raised()
+            raise RankFailureError(
+                f"rank {rt.rank} (member {el.uid}) was removed from the group: the others "
+                f"formed generation {dec['gen']} without it (it did not answer in time)",
+                generation=rt.generation,
+            ) from cause
+        try:
+            _form(rt, el, dec["gen"], dec["members"], dec.get("old_ranks"))
+        except RankFailureError as e:
+            log.warning("rank %d: forming generation %d failed: %s", rt.rank, dec["gen"], e)
+            round_ += 1
+            candidates = list(dec["old_ranks"])
+            continue
+        try:
+            if dec["sync"]:
+                _send_state(rt, dec["source"], snapshot, load, load_here=True)
+        except RankFailureError as e:
+            # The source (or another member) failed while sending: start over from the
+            # generation just formed.
+            log.warning("rank %d: state transfer failed: %s", rt.rank, e)
+            round_, candidates, gen_from = 0, list(range(rt.world_size)), rt.generation
+            continue
+        break
+    rt.raised = False
+    took = time.monotonic() - t0
+    outcome = dec["outcome"]
+    if outcome == "redo":
+        el.redone += 1
+    elif outcome == "skip":
+        el.skipped += 1
+    event = {
+        "t": time.time(),
+        "kind": "shrink",
+        "culprits": [
+            {"rank": c.rank, "host": c.host, "what": c.what, "phase": c.phase}
+            for c in first_culprits
+        ],
+        "generation": rt.generation,
+        "world_size_before": before["world_size"],
+        "world_size": rt.world_size,
+        "step": el.committed,
+        "outcome": outcome,
+        "state_from": dec["source"] if dec["sync"] else None,
+        "recovery_s": round(took, 4),
+    }
+    el.events.append(event)
+    el.note_world(rt, "shrink")
+    who = ", ".join(f"rank {c.rank} ({c.what})" for c in first_culprits) or "a peer"
+    log.warning(
+        "resilient_ddp: %s failed at step %d; going on with %d rank(s) (was %d) as "
+        "generation %d, this process is now rank %d; step %s; recovered in %.2f s",
+        who,
+        el.committed,
+        rt.world_size,
+        before["world_size"],
+        rt.generation,
+        rt.rank,
+        {"redo": "redone over the survivors", "skip": "skipped", "continue": "kept"}[outcome],
+        took,
+    )
+    return dec
+
+
+def _culprits(rt: Runtime) -> list[Any]:
+    try:
+        return rt.culprits_for(rt.seq + 1)[1]
+    except Exception:  # noqa: BLE001 - naming is best effort here
+        return []
+
+
+def _gone(rt: Runtime) -> tuple[set[int], set[int]]:
+    """Ranks the watchdog knows failed, and those of them known dead (not just silent)."""
+    gone: set[int] = set()
+    dead: set[int] = set()
+    with rt.lock:
+        failures = list(rt.failures)
+        left = dict(rt.left)
+    for ev in failures:
+        if ev["kind"] == ctl.EV_TIMEOUT:
+            gone.update(int(c["rank"]) for c in ev.get("culprits", []))
+            continue
+        gone.add(int(ev["rank"]))
+        if ev["kind"] in (ctl.EV_CRASH, ctl.EV_EXCEPTION):
+            dead.add(int(ev["rank"]))
+    gone.update(left)
+    dead.update(left)
+    return gone, dead
+
+
+def _read_log(root: dist.Store, key: str) -> list[dict[str, Any]]:
+    if not root.check([key]):
+        return []
+    return [json.loads(line) for line in root.get(key).decode().splitlines() if line]
+
+
+def _append(root: dist.Store, key: str, value: dict[str, Any]) -> None:
+    getattr(root, "append")(key, json.dumps(value, separators=(",", ":")) + "\n")  # noqa: B009
+
+
+def _agree(
+    rt: Runtime,
+    el: Elastic,
+    base: str,
+    candidates: list[int],
+    where: str,
+    has_grads: bool,
+) -> dict[str, Any]:
+    root = rt.control_root
+    _append(
+        root,
+        f"{base}/log",
+        {
+            "rank": rt.rank,
+            "uid": el.uid,
+            "committed": el.committed,
+            "where": where,
+            "grads": has_grads,
+            "admitted": el.admitted,
+        },
+    )
+    deadline = time.monotonic() + rt.config.op_timeout.total_seconds()
+    decided = f"{base}/d"
+    while True:
+        if root.check([decided]):
+            return json.loads(root.get(decided))  # type: ignore[no-any-return]
+        props = {p["rank"]: p for p in _read_log(root, f"{base}/log")}
+        gone, dead = _gone(rt)
+        if all(r in props or r in gone for r in candidates) or time.monotonic() >= deadline:
+            dec = _decide(rt, el, props, candidates, dead)
+            root.compare_set(decided, "", json.dumps(dec))
+            continue
+        if rt.watchdog is not None:
+            rt.watchdog.poke()
+        time.sleep(_POLL_S)
+
+
+def _decide(
+    rt: Runtime,
+    el: Elastic,
+    props: dict[int, dict[str, Any]],
+    candidates: list[int],
+    dead: set[int],
+) -> dict[str, Any]:
+    ranks = sorted(r for r in props if r in candidates)
+    world = rt.world_size
+    n = len(ranks)
+    lost = [r for r in range(world) if r not in ranks]
+    dec: dict[str, Any] = {"old_ranks": ranks, "lost": lost, "fail": None}
+    need = rt.config.min_world_size
+    if n < need:
+        dec["fail"] = (
+            f"only {n} rank(s) survive {(lost and 'the loss of rank(s) ' + str(lost)) or ''} "
+            f"in generation {rt.generation}, fewer than min_world_size={need}: training "
+            "cannot go on"
+        )
+        return dec
+    if 2 * n < world or (2 * n == world and not set(lost) <= dead):
+        dec["fail"] = (
+            f"only {n} of {world} ranks of generation {rt.generation} reached the store "
+            f"together (lost: {lost}, not known dead): a minority does not go on alone"
+        )
+        return dec
+    counts = [int(props[r]["committed"]) for r in ranks]
+    top = max(counts)
+    source_old = min(r for r in ranks if int(props[r]["committed"]) == top)
+    same = len(set(counts)) == 1
+    wheres = {props[r]["where"] for r in ranks}
+    if same and wheres == {"reduce"} and all(props[r]["grads"] for r in ranks):
+        outcome = "redo"
+    elif same and wheres == {"forward"}:
+        outcome = "continue"
+    else:
+        outcome = "skip"
+    admitted = sorted({u for r in ranks for u in props[r].get("admitted", [])})
+    dec.update(
+        gen=_next_generation(rt),
+        members=[int(props[r]["uid"]) for r in ranks],
+        source=ranks.index(source_old),
+        outcome=outcome,
+        sync=not same,
+        committed=top,
+        admitted=admitted,
+    )
+    return dec
+
+
+def _next_generation(rt: Runtime) -> int:
+    """A generation number no group has used (every caller gets a different one)."""
+    return rt.generation + int(rt.control_root.add("gen_seq", 1))
+
+
+def _form(
+    rt: Runtime,
+    el: Elastic,
+    gen: int,
+    members: list[int],
+    old_ranks: list[int] | None,
+) -> None:
+    """Form generation ``gen`` with ``members`` (ids by new rank); bounded.
+
+    Raises:
+        RankFailureError: A member did not arrive in time (it died meanwhile).
+    """
+    from .membership import rebuild
+
+    cfg = rt.config
+    root = rt.control_root
+    rank = members.index(el.uid)
+    world = len(members)
+    timeout_s = max(2.0, min(cfg.heartbeat_timeout.total_seconds(), cfg.op_timeout.total_seconds()))
+    # Everyone posts "ready" first: a member that died after the decision is noticed here,
+    # quickly, rather than by the backend's rendezvous timeout.
+    root.set(f"form/g{gen}/{rank}", "1")
+    keys = [f"form/g{gen}/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while not root.check(keys):
+        gone, _ = _gone(rt)
+        lost = [
+            members[i]
+            for i, old in enumerate(old_ranks or [])
+            if old in gone and not root.check([keys[i]])
+        ]
+        if lost or time.monotonic() >= deadline:
+            raise RankFailureError(
+                f"generation {gen} could not form: member(s) {lost or '?'} did not arrive",
+                generation=rt.generation,
+            )
+        time.sleep(_POLL_S)
+    rebuild(rt, gen, timeout_s=timeout_s, rank=rank, world_size=world)
+    rt.seq = 0  # op sequence numbers start again with the generation (joiners start at 0)
+    el.members = list(members)
+    el.grow = None
+    el.acked = -1
+    if rt.rank == 0:
+        # The launcher (rd.spawn) reads who is a member, to end removed processes.
+        root.set("members", json.dumps({"gen": gen, "members": members}))
+
+
+def _send_state(
+    rt: Runtime,
+    src: int,
+    snapshot: Callable[[], dict[str, Any]],
+    load: Callable[[dict[str, Any]], None] | None,
+    *,
+    load_here: bool,
+) -> None:
+    from .checkpoint import broadcast_state_dict
+
+    payload = snapshot() if rt.rank == src else None
+    got = broadcast_state_dict(payload, src=src, timeout=rt.config.op_timeout)
+    if rt.rank != src and load_here and load is not None:
+        load(got)
+
+
+# -- grow --------------------------------------------------------------------------------------
+def maybe_admit(
+    rt: Runtime,
+    el: Elastic,
+    snapshot: Callable[[], dict[str, Any]],
+) -> bool:
+    """Member side, at the start of a forward while join requests are pending.
+
+    Returns:
+        True if joiners were admitted (a new generation formed, state sent): the reducer
+        must be rebuilt.
+    """
+    root = rt.control_root
+    key = f"grow/g{rt.generation}"
+    if el.grow is None and root.check([key]):
+        el.grow = json.loads(root.get(key))
+    if el.grow is None:
+        if el.acked != rt.generation:
+            root.set(f"{key}/ack/{rt.rank}", str(el.committed))
+            el.acked = rt.generation
+        acks = [f"{key}/ack/{r}" for r in range(rt.world_size)]
+        if not root.check(acks):
+            return False
+        pending = _pending_joiners(root, el)
+        if not pending:
+            el.join_seen = False
+            return False
+        at = max(int(v) for v in root.multi_get(acks)) + 2
+        for s in el.live_samplers():
+            at = s._admission_step(at, rt.world_size, rt.world_size + len(pending), el.committed)
+        dec = {
+            "at": at,
+            "joiners": pending,
+            "gen": _next_generation(rt),
+            "members": el.members + pending,
+        }
+        won = root.compare_set(key, "", json.dumps(dec))
+        el.grow = json.loads(won)
+        if el.grow == dec:
+            for i, uid in enumerate(pending):
+                root.set(
+                    f"join/adm/{uid}",
+                    json.dumps(
+                        {"gen": dec["gen"], "rank": len(el.members) + i, "members": dec["members"]}
+                    ),
+                )
+    assert el.grow is not None
+    if el.committed < int(el.grow["at"]):
+        return False
+    grow = el.grow
+    t0 = time.monotonic()
+    before = rt.world_size
+    for s in el.live_samplers():
+        s._on_admit(grow["joiners"])
+    _form(rt, el, grow["gen"], grow["members"], None)
+    el.admitted = sorted(set(el.admitted) | set(grow["joiners"]))
+    _send_state(rt, 0, snapshot, None, load_here=False)
+    el.join_seen = int(root.add("join/n", 0)) > el.joins_seen
+    took = time.monotonic() - t0
+    el.events.append(
+        {
+            "t": time.time(),
+            "kind": "join",
+            "joiners": grow["joiners"],
+            "generation": rt.generation,
+            "world_size_before": before,
+            "world_size": rt.world_size,
+            "step": el.committed,
+            "admission_s": round(took, 4),
+        }
+    )
+    el.note_world(rt, "join")
+    log.warning(
+        "resilient_ddp: %d process(es) joined at step %d; %d rank(s) now (was %d), "
+        "generation %d; admitted in %.2f s",
+        len(grow["joiners"]),
+        el.committed,
+        rt.world_size,
+        before,
+        rt.generation,
+        took,
+    )
+    return True
+
+
+def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
+    requests = _read_log(root, "join/log")
+    el.joins_seen = len(requests)
+    out = []
+    for req in requests:
+        uid = int(req["uid"])
+        if uid in el.members or uid in el.admitted or uid in out:
+            continue
+        if int(root.add(f"join/tries/{uid}", 0)) >= _MAX_JOIN_TRIES:
+            continue
+        out.append(uid)
+    return out
+
+
+def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, dict[str, Any]]:
+    """Joiner side (``RESILIENT_DDP_JOINER=1``): ask to join the running job, wait until
+    the members admit this process, form the group with them and receive the state.
+
+    Blocks at most ``timeout``.
+
+    Raises:
+        PreflightError: Not admitted within ``timeout`` (no job with
+            ``on_failure="shrink"`` is running on that store, or it cannot take members).
+    """
+    from . import _runtime
+    from .errors import PreflightError
+    from .membership import rebuild
+    from .process_group import control_store
+
+    root = control_store(None)
+    uid = (
+        int(os.environ[UID_ENV])
+        if UID_ENV in os.environ
+        else 1_000_000 + int(root.add("join/uid", 1))
+    )
+    identity = ctl.my_identity(-1)
+    _append(root, "join/log", {"uid": uid, "host": identity["host"], "pid": identity["pid"]})
+    root.add("join/n", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    tried_gen = -1
+    while True:
+        if time.monotonic() >= deadline:
+            raise PreflightError(
+                f"this process (member id {uid}) asked to join the running job but was not "
+                f"admitted within {timeout}: is a job with on_failure='shrink' running on "
+                "this store, and still training?",
+                problems=["joiner not admitted"],
+            )
+        key = f"join/adm/{uid}"
+        adm = json.loads(root.get(key)) if root.check([key]) else None
+        if adm is None or adm["gen"] == tried_gen:
+            time.sleep(0.01)
+            continue
+        tried_gen = adm["gen"]
+        members = adm["members"]
+        rt = Runtime(
+            rank=adm["rank"],
+            world_size=len(members),
+            backend=backend or "gloo",
+            control_root=root,
+            config=cfg,
+            generation=-1,
+        )
+        rt.elastic = Elastic(uid=uid, members=list(members))
+        root.set(f"form/g{adm['gen']}/{adm['rank']}", "1")
+        try:
+            _runtime.set_current(rt)
+            rebuild(
+                rt,
+                adm["gen"],
+                timeout_s=max(2.0, cfg.heartbeat_timeout.total_seconds()),
+                rank=adm["rank"],
+                world_size=len(members),
+            )
+            from .checkpoint import broadcast_state_dict
+
+            state = broadcast_state_dict(None, src=0, timeout=cfg.op_timeout)
+        except (RankFailureError, ControlPlaneError) as e:
+            _runtime.set_current(None)
+            root.add(f"join/tries/{uid}", 1)
+            log.warning("joiner %d: admission to generation %d failed: %s", uid, adm["gen"], e)
+            continue
+        rt.raised = False
+        el = rt.elastic
+        el.received = state
+        el.committed = int(state["committed"])
+        el.admitted = list(state.get("admitted", []))
+        el.history = list(state.get("history", []))
+        el.note_world(rt, "join")
+        return rt, state

@@ -1,0 +1,136 @@
+"""Workers for the elastic-training tests (``on_failure="shrink"``)."""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+import resilient_ddp as rd
+from resilient_ddp.testing import kill_self, stop_self
+
+N_SAMPLES = 96
+BATCH = 2
+
+
+def _cfg(**kw: Any) -> rd.ResilienceConfig:
+    base: dict[str, Any] = {
+        "on_failure": "shrink",
+        "min_world_size": 2,
+        "heartbeat_interval": timedelta(milliseconds=100),
+        "heartbeat_timeout": timedelta(seconds=2),
+        "op_timeout": timedelta(seconds=4),
+    }
+    base.update(kw)
+    return rd.ResilienceConfig(**base)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N_SAMPLES, 4, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.5
+
+
+def state_hash(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for t in model.state_dict().values():
+        h.update(t.detach().cpu().numpy().tobytes())
+    for st in opt.state_dict()["state"].values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                h.update(v.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(
+    rank: int,
+    out_dir: str,
+    faults: list[dict[str, Any]],
+    epochs: int,
+    cfg: dict[str, Any],
+    pace: float = 0.0,
+) -> dict[str, Any]:
+    """Train; faults: [{"uid": u, "step": s, "kind": kill|raise|stop|killmid, "at": forward|after}].
+
+    Appends one JSON line per committed step to out_dir/<pid>.jsonl: step, uid, world, ids,
+    hash, loss. Returns this rank's final stats."""
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(100, exit=True)
+    rd.init_process_group("gloo", config=_cfg(**cfg))
+    el_uid = int(os.environ.get("RESILIENT_DDP_UID", rank))
+    model = rd.ResilientDDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampler = rd.ElasticDistributedSampler(N_SAMPLES, BATCH, seed=3)
+    x_all, y_all = _data()
+    log_path = os.path.join(out_dir, f"{os.getpid()}.jsonl")
+    mine = [f for f in faults if f["uid"] == el_uid]
+    with open(log_path, "a") as log:
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for ids in sampler:
+                before = model.resilience_stats["step"]
+                for f in mine:
+                    if f["step"] == before and f.get("at", "forward") == "forward":
+                        _fault(f["kind"])
+                    if f["step"] == before and f["kind"] == "killmid":
+                        # SIGKILL from a thread while the main thread is in the backward
+                        # pass (most likely inside the gradient all-reduce).
+                        threading.Timer(f.get("delay", 0.002), kill_self).start()
+                loss = ((model(x_all[ids]) - y_all[ids]) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                time.sleep(pace)
+                stats = model.resilience_stats
+                if stats["step"] > before:
+                    log.write(
+                        json.dumps(
+                            {
+                                "step": stats["step"],
+                                "epoch": sampler.epoch,
+                                "uid": el_uid,
+                                "world": stats["world_size"],
+                                "ids": ids,
+                                "hash": state_hash(model.module, opt),
+                                "loss": float(loss.detach()),
+                            }
+                        )
+                        + "\n"
+                    )
+                    log.flush()
+                for f in mine:
+                    if f["step"] == before and f.get("at") == "after":
+                        _fault(f["kind"])
+            # The tail of an epoch smaller than the world size is dropped (every rank must
+            # take part in every step): logged so that the test can account for it.
+            log.write(json.dumps({"epoch_end": epoch, "dropped": sampler.dropped}) + "\n")
+            log.flush()
+    stats = model.resilience_stats
+    stats["dropped"] = sampler.dropped
+    stats["final_hash"] = state_hash(model.module, opt)
+    rd.destroy_process_group()
+    return stats
+
+
+def _fault(kind: str) -> None:
+    if kind == "kill":
+        kill_self()
+    elif kind == "raise":
+        raise RuntimeError("injected fault")
+    elif kind == "stop":
+        stop_self()
+    elif kind == "sleep":
+        time.sleep(3600)
