@@ -14,8 +14,8 @@ item, each its own tensor) and rank 0 needs all of them. Variants:
 
 Each variant runs in fresh processes (3 ranks, gloo): the peak resident memory growth
 (``ru_maxrss``) of each rank is measured over the first call, then the call is timed
-3 more times (once more for the slow ``*_object`` variants) and the median kept (rank 0's
-wall time, from a barrier).
+3 more times (not for the slow ``*_object`` variants, whose first call is their time) and
+the median kept (rank 0's wall time, from a barrier).
 
 Usage::
 
@@ -51,8 +51,8 @@ QUICK_OUT = HERE / "results" / "quick" / f"{NAME}.json"
 WORLD_SIZE = 3
 ROW = 1024  # float32 values per item: 4 KiB
 VARIANTS = ("rd", "gather_object", "all_gather_object", "all_gather")
-# The object variants take 10-20 s per call at 128 MiB and vary little: one repeat each
-# keeps the whole run (``nox -s benchmarks``) within its time budget.
+# The object variants take 10-35 s per call at 128 MiB (pickling dominates, so the first
+# call is like the others): one call each keeps ``nox -s benchmarks`` within 10 minutes.
 SLOW_VARIANTS = frozenset({"gather_object", "all_gather_object"})
 LABELS = {
     "rd": "rd.gather_to_rank0",
@@ -117,7 +117,7 @@ def _worker(rank: int, variant: str, mib: int, repeats: int) -> dict[str, Any]:
 def run(mib: int, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for variant in VARIANTS:
-        n = min(repeats, 1) if variant in SLOW_VARIANTS else repeats
+        n = 0 if variant in SLOW_VARIANTS else repeats
         per_rank = rd.spawn(
             _worker, WORLD_SIZE, args=(variant, mib, n), timeout=_dt.timedelta(minutes=5)
         )
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             "data_per_rank_mib": mib,
             "row_bytes": ROW * 4,
             "statistic": (
-                "time: median over the calls on rank 0 (first call included; 4 calls, 2 for "
-                "the *_object variants); memory: growth of ru_maxrss over the first call"
+                "time: median over the calls on rank 0 (4 calls, first included; the "
+                "*_object variants: their one call); memory: growth of ru_maxrss over the "
+                "first call"
             ),
         },
         "variants": {v: LABELS[v] for v in VARIANTS},
