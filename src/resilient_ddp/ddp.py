@@ -158,14 +158,8 @@ class ResilientDDP(DistributedDataParallel):
             rt.raise_if_failed("forward", rt.seq + 1)
             if rt.local_forward:
                 # distributed_inference: ranks run different numbers of forwards, so DDP's
-                # per-forward buffer broadcast would pair up unrelated calls. Inputs still
-                # move to the device as DDP would move them.
-                if self.device_ids:
-                    moved, moved_kwargs = self.to_kwargs(  # type: ignore[no-untyped-call]
-                        inputs, kwargs, self.device_ids[0]
-                    )
-                    inputs, kwargs = moved[0], moved_kwargs[0]
-                return self.module(*inputs, **kwargs)
+                # per-forward buffer broadcast would pair up unrelated calls.
+                return self._rd_local_forward(inputs, kwargs)
             rt.phase = "forward"
             self._rd_compute_start = time.monotonic()
         output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
@@ -180,7 +174,8 @@ class ResilientDDP(DistributedDataParallel):
         return output
 
     def _rd_local_forward(self, inputs: Any, kwargs: Any) -> Any:
-        """The wrapped module's forward without DDP's synchronisation (no reducer hooks)."""
+        """The wrapped module's forward without DDP's synchronisation (no reducer hooks);
+        inputs still move to the device as DDP would move them."""
         if self.device_ids:
             moved, moved_kwargs = self.to_kwargs(  # type: ignore[no-untyped-call]
                 inputs, kwargs, self.device_ids[0]
@@ -209,21 +204,29 @@ class ResilientDDP(DistributedDataParallel):
                 if isinstance(e, ControlPlaneError):
                     raise
                 cause: RankFailureError = e
-            dec = elastic.recover(
-                rt,
-                where="forward",
-                has_grads=False,
-                cause=cause,
-                snapshot=self._rd_snapshot,
-                load=self._rd_load,
-            )
-            el.rebuild = True
+            dec = self._rd_recover(rt, "forward", False, cause)
             if dec["outcome"] == "continue":
                 continue  # this step goes on, on the new group
             # Discarded on every survivor: compute locally, the optimizer step is skipped.
             el.skip_step = True
             el.rollback()
             return self._rd_local_forward(inputs, kwargs)
+
+    def _rd_recover(
+        self, rt: Runtime, where: str, has_grads: bool, cause: RankFailureError
+    ) -> dict[str, Any]:
+        """Run the elastic recovery with this model's state; the reducer is rebuilt at the
+        next forward (never inside the backward pass that failed)."""
+        dec = elastic.recover(
+            rt,
+            where=where,
+            has_grads=has_grads,
+            cause=cause,
+            snapshot=self._rd_snapshot,
+            load=self._rd_load,
+        )
+        rt.elastic.rebuild = True
+        return dec
 
     def _rd_rebuild_reducer(self) -> None:
         """Rebuild DDP's reducer in place on the current default group (FINDINGS): the
@@ -247,7 +250,7 @@ class ResilientDDP(DistributedDataParallel):
         el = rt.elastic
         return {
             "model": self.module.state_dict(),
-            "optim": [o.state_dict() for o in _live(el.optimizers)],
+            "optim": [o.state_dict() for o in elastic.live(el.optimizers)],
             "committed": el.committed,
             "samplers": [s.state_dict() for s in el.live_samplers()],
             "extras": {k: v.state_dict() for k, v in el.extras.items()},
@@ -261,7 +264,7 @@ class ResilientDDP(DistributedDataParallel):
         assert rt.elastic is not None
         el = rt.elastic
         self.module.load_state_dict(state["model"])
-        optimizers = _live(el.optimizers)
+        optimizers = elastic.live(el.optimizers)
         if optimizers and len(optimizers) == len(state["optim"]):
             for o, sd in zip(optimizers, state["optim"], strict=True):
                 o.load_state_dict(sd)
@@ -281,15 +284,7 @@ class ResilientDDP(DistributedDataParallel):
         buckets, self._rd_buckets = self._rd_buckets, []
         has_grads = not self.gradient_as_bucket_view and self._rd_inner_hook is None
         while True:
-            dec = elastic.recover(
-                rt,
-                where="reduce",
-                has_grads=has_grads,
-                cause=cause,
-                snapshot=self._rd_snapshot,
-                load=self._rd_load,
-            )
-            el.rebuild = True
+            dec = self._rd_recover(rt, "reduce", has_grads, cause)
             if dec["outcome"] != "redo":
                 break
             try:
@@ -694,7 +689,7 @@ def _elastic_pre_step(el: Any, opt: Any) -> None:
     """Track the optimizers (their state moves with the model), load state received for
     them, and turn a discarded step into a no-op (optimizers skip parameters without a
     gradient, so neither parameters nor their state change)."""
-    optimizers = _live(el.optimizers)
+    optimizers = elastic.live(el.optimizers)
     if not any(o is opt for o in optimizers):
         el.optimizers.append(weakref.ref(opt))
         optimizers.append(opt)
@@ -707,11 +702,6 @@ def _elastic_pre_step(el: Any, opt: Any) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
-
-
-def _live(refs: list[weakref.ReferenceType[Any]]) -> list[Any]:
-    out = [r() for r in refs]
-    return [o for o in out if o is not None]
 
 
 def _settle(fut: torch.futures.Future[torch.Tensor], value: torch.Tensor) -> None:

@@ -87,8 +87,7 @@ class Elastic:
 
     # -- samplers ----------------------------------------------------------------------------
     def live_samplers(self) -> list[Any]:
-        out = [ref() for ref in self.samplers]
-        return [s for s in out if s is not None]
+        return live(self.samplers)
 
     def commit(self, contributors: list[int]) -> None:
         """A reduction completed with the gradients of ``contributors`` (member ids)."""
@@ -114,8 +113,10 @@ class Elastic:
         )
 
 
-def enabled(rt: Runtime | None) -> bool:
-    return rt is not None and getattr(rt, "elastic", None) is not None
+def live(refs: list[weakref.ReferenceType[Any]]) -> list[Any]:
+    """The objects behind ``refs`` that still exist, in order."""
+    out = [r() for r in refs]
+    return [o for o in out if o is not None]
 
 
 def setup(rt: Runtime) -> None:
