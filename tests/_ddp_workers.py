@@ -179,9 +179,12 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
     return {"same": same, "moved": moved, **extra}
 
 
-def fault_train(rank: int, kind: str, where: str, culprit: int, cfg: dict[str, Any]) -> Any:
-    """Train; on the culprit inject ``kind`` at FAULT_STEP in ``where`` (forward, backward
-    or data). Survivors report the error and how long after the step began it came."""
+def fault_train(
+    rank: int, kind: str, where: str, culprit: int, cfg: dict[str, Any], at: int = FAULT_STEP
+) -> Any:
+    """Train; on the culprit inject ``kind`` at step ``at`` in ``where`` (forward, backward
+    or data; data faults only at another ``at``). Survivors report the error and how long
+    after the step began it came."""
     _init(cfg)
     layer = FaultLayer()
     if rank == culprit:
@@ -193,7 +196,7 @@ def fault_train(rank: int, kind: str, where: str, culprit: int, cfg: dict[str, A
         for step, (x, y) in enumerate(batches(rank, FAULT_STEP + 3)):
             layer.step = step
             t0 = time.monotonic()
-            if rank == culprit and where == "data" and step == FAULT_STEP:
+            if rank == culprit and where == "data" and step == at:
                 inject(kind, cfg["op_timeout"] + 4)
             loss = ((model(x) - y) ** 2).mean()
             loss.backward()

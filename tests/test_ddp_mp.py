@@ -75,6 +75,24 @@ def test_fault_during_training_is_named_on_every_survivor(kind: str, where: str)
             assert "stopped" in v["message"]
 
 
+@pytest.mark.parametrize("kind", ["kill", "sigstop"])
+def test_a_fault_at_ddps_bucket_rebuild_is_typed_and_bounded(kind: str) -> None:
+    """DDP's forward after the first backward rebuilds the gradient buckets and agrees on
+    them through a blocking broadcast that only the backend timeout bounds. A peer that
+    dies there must still give our typed error (not gloo's RuntimeError) at once, and one
+    that stops, within the op timeout (not a hang)."""
+    culprit, survivors = 2, [0, 1]
+    grace = 2.0 if kind == "sigstop" else 10.0
+    values = _values(d.fault_train, 3, kind, "data", culprit, FAST, 1, ranks=survivors, grace=grace)
+    for r, v in values.items():
+        assert isinstance(v, dict), (r, v)
+        assert "RankFailureError" in v["mro"], v
+        assert v["ranks"] == [culprit], v["message"]
+        assert v["step"] == 1, v
+        limit = 2.0 if kind == "kill" else FAST["heartbeat_timeout"] + 2.0
+        assert v["elapsed"] < limit, v
+
+
 def test_one_batch_fewer_is_an_error_not_a_hang() -> None:
     values = _values(d.one_batch_fewer, 3, FAST, ranks=[0, 1, 2])
     assert values[1] == "no error"

@@ -9,7 +9,9 @@ DDP's. What it adds:
   callback ahead of DDP's own, which waits on those futures within the op budget and
   raises our typed error from ``loss.backward()`` (DDP's reducer would turn it into
   ``RuntimeError: Unable to cast ...``);
-* the forward-pass buffer broadcast goes through the bounded :func:`broadcast`;
+* the forward-pass buffer broadcast goes through the bounded :func:`broadcast`, and the
+  reducer's one-time bucket layout exchange (a blocking broadcast at the forward after the
+  first synchronised backward) is waited for as a bounded op too;
 * construction checks, within the op budget, that parameters and the environment agree
   across ranks, and raises :class:`PreflightError` with a per-rank table otherwise;
 * step and phase (forward / backward / optimizer / data) are tracked for the heartbeat, so
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -52,6 +55,9 @@ __all__ = ["ResilientDDP"]
 log = logging.getLogger("resilient_ddp")
 
 _optimizer_hooks_installed = False
+# Reducers (with DDP's logger) whose bucket exchange is still stuck in the backend; see
+# ResilientDDP._rd_rebuild_reducer.
+_left_behind: list[Any] = []
 
 
 class ResilientDDP(DistributedDataParallel):
@@ -116,6 +122,8 @@ class ResilientDDP(DistributedDataParallel):
         self._rd_pass_error: BaseException | None = None
         self._rd_callback_queued = False
         self._rd_compute_start = 0.0
+        self._rd_bucket_sync_due = False
+        self._rd_bucket_thread: threading.Thread | None = None
         self.compute_times: list[float] = []
         me = weakref.ref(self)
         DistributedDataParallel.register_comm_hook(self, me, _resilient_hook)
@@ -161,9 +169,60 @@ class ResilientDDP(DistributedDataParallel):
                 # per-forward buffer broadcast would pair up unrelated calls.
                 return self._rd_local_forward(inputs, kwargs)
             rt.phase = "forward"
+            self._rd_sync_buckets()
             self._rd_compute_start = time.monotonic()
         output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         return self._rd_watch_backward(output)
+
+    def _rd_sync_buckets(self) -> None:
+        """Run the reducer's one-time bucket rebuild as a bounded op, when it is due.
+
+        After the first synchronised backward of a reducer, DDP's next forward rebuilds the
+        gradient buckets in the order gradients became ready and agrees on the layout with
+        two blocking broadcasts from rank 0, bounded only by the backend's timeout: a peer
+        that dies there surfaces as gloo's bare ``RuntimeError``, one that stops hangs the
+        step. Here the rebuild runs in a helper thread (the call releases the GIL) and is
+        waited for like any other op; DDP's own call that follows finds nothing to do.
+
+        Raises:
+            RankFailureError: A peer failed meanwhile.
+            CollectiveTimeoutError: The exchange did not complete within the op budget.
+        """
+        if not self._rd_bucket_sync_due or not torch.is_grad_enabled():
+            return
+        self._rd_bucket_sync_due = False
+        cfg = self._rd_config
+        op = _Op(
+            "ddp_bucket_layout", self._rd_group, cfg.op_timeout, cfg.effective_op_budget, 1, False
+        )
+        reducer = self.reducer
+        done: torch.futures.Future[bool] = torch.futures.Future()
+
+        def rebuild() -> None:
+            try:
+                done.set_result(reducer._rebuild_buckets())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(e)  # type: ignore[arg-type]  # stubs: the value type
+
+        def body() -> None:
+            p = PendingOp(op.name, op.seq)
+            op.rt.register(p)
+            p.attach_future(done)
+            worker = threading.Thread(target=rebuild, name="resilient_ddp-buckets", daemon=True)
+            self._rd_bucket_thread = worker
+            worker.start()
+            try:
+                op.wait_pending(p, done)
+            except BaseException:
+                if worker.is_alive():
+                    # Left behind inside the backend until its own timeout: the process
+                    # must not run the backend's destructors at exit.
+                    _runtime.arm_exit_guard()
+                raise
+
+        op.run(body, signature=dict)
+        if done.value():
+            self._has_rebuilt_buckets = True
 
     def _rd_watch_backward(self, output: Any) -> Any:
         if torch.is_grad_enabled():
@@ -197,6 +256,7 @@ class ResilientDDP(DistributedDataParallel):
                     self._rd_rebuild_reducer()
                 rt.raise_if_failed("forward", rt.seq + 1)
                 rt.phase = "forward"
+                self._rd_sync_buckets()
                 self._rd_compute_start = time.monotonic()
                 output = DistributedDataParallel.forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
                 return self._rd_watch_backward(output)
@@ -226,21 +286,39 @@ class ResilientDDP(DistributedDataParallel):
             load=self._rd_load,
         )
         rt.elastic.rebuild = True
+        # A skipped step's backward still runs through the old reducer's hooks.
+        self._rd_release_stuck_reducer()
         return dec
 
     def _rd_rebuild_reducer(self) -> None:
         """Rebuild DDP's reducer in place on the current default group (FINDINGS): the
         object, ``.module`` and the optimizer stay; states already agree, so no sync."""
+        self._rd_release_stuck_reducer()
         for name in ("reducer", "logger"):
             if hasattr(self, name):
                 delattr(self, name)
         kwargs = dict(self._rd_kwargs)
         kwargs["init_sync"] = False
         DistributedDataParallel.__init__(self, self.module, *self._rd_args, **kwargs)
+        self._rd_bucket_sync_due = False
         DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
         rt = _runtime.current()
         if rt is not None and rt.elastic is not None:
             rt.elastic.rebuild = False
+
+    def _rd_release_stuck_reducer(self) -> None:
+        """Let go of a reducer whose bucket exchange is still stuck in the backend.
+
+        That exchange holds the reducer's mutex until the backend's timeout: destructing
+        the reducer or DDP's logger would wait for it with the GIL held (the process
+        freezes), and so would the reducer's autograd hooks in the next backward pass. So
+        its hooks are taken off the parameters (what its destructor would do) and the
+        objects are kept for good (the exit guard is armed).
+        """
+        worker, self._rd_bucket_thread = self._rd_bucket_thread, None
+        if worker is not None and worker.is_alive():
+            self.reducer._remove_autograd_hooks()
+            _left_behind.append((self.reducer, getattr(self, "logger", None), worker))
 
     def _rd_snapshot(self) -> dict[str, Any]:
         """What a survivor or joiner takes over from the state source."""
@@ -415,6 +493,13 @@ class ResilientDDP(DistributedDataParallel):
                 rt.phase = "after_backward"
         if ops and rt is not None:
             rt.step += 1
+        if (
+            ops
+            and not self._has_rebuilt_buckets
+            and (self.static_graph or not self.find_unused_parameters)
+        ):
+            # DDP rebuilds its buckets at the next forward (see _rd_sync_buckets).
+            self._rd_bucket_sync_due = True
 
     # -- buffers -----------------------------------------------------------------------------
     def _default_broadcast_coalesced(
