@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import faulthandler
 import hashlib
+import itertools
 import json
 import os
+import random
 import threading
 import time
 from datetime import timedelta
@@ -19,6 +21,30 @@ from resilient_ddp.testing import kill_self, stop_self
 
 N_SAMPLES = 96
 BATCH = 2
+
+
+def fault_plan(seed: int, n_faults: int, kinds: list[str], world: int = 4) -> list[dict[str, Any]]:
+    """``n_faults`` seeded faults, one at a time: each hits a random current member (its
+    replacement's member id follows the launcher's numbering) once the previous one was
+    recovered from and its replacement joined; "*mid" kinds strike 0-20 ms into the step,
+    mostly inside the gradient all-reduce."""
+    rng = random.Random(seed)
+    alive = list(range(world))
+    faults = []
+    for i in range(n_faults):
+        uid = rng.choice(alive)
+        faults.append(
+            {
+                "uid": uid,
+                "step": 5 + 3 * i,
+                "kind": rng.choice(kinds),
+                "delay": rng.uniform(0.0, 0.02),
+                "full": world,
+                "after": i,
+            }
+        )
+        alive[alive.index(uid)] = world + i
+    return faults
 
 
 def _cfg(**kw: Any) -> rd.ResilienceConfig:
@@ -63,7 +89,9 @@ def train(
     cfg: dict[str, Any],
     pace: float = 0.0,
 ) -> dict[str, Any]:
-    """Train; faults: [{"uid": u, "step": s, "kind": kill|raise|stop|killmid, "at": forward|after}].
+    """Train; faults: [{"uid": u, "step": s, "kind": kill|raise|stop|killmid|stopmid, "at":
+    forward|after, "delay": seconds into the step for the *mid kinds, "full": world size,
+    "after": ranks lost before}].
 
     Appends one JSON line per committed step to out_dir/<pid>.jsonl: step, uid, world, ids,
     hash, loss. Returns this rank's final stats."""
@@ -76,19 +104,39 @@ def train(
     sampler = rd.ElasticDistributedSampler(N_SAMPLES, BATCH, seed=3)
     x_all, y_all = _data()
     log_path = os.path.join(out_dir, f"{os.getpid()}.jsonl")
-    mine = [f for f in faults if f["uid"] == el_uid]
+    # A fault fires at the first step at or after its "step" that this process reaches (a
+    # replacement may join a little after it).
+    pending = [f for f in faults if f["uid"] == el_uid]
+    full = max((f.get("full", 0) for f in faults), default=0)
     with open(log_path, "a") as log:
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             for ids in sampler:
-                before = model.resilience_stats["step"]
-                for f in mine:
-                    if f["step"] == before and f.get("at", "forward") == "forward":
+                stats = model.resilience_stats
+                before = stats["step"]
+                # "full" and "after": fire only once the world is back to that size and that
+                # many ranks were lost before (faults one at a time, each after the previous
+                # replacement joined).
+                due = [
+                    f
+                    for f in pending
+                    if before >= f["step"]
+                    and stats["world_size"] >= f.get("full", 0)
+                    and faults_seen(stats) >= f.get("after", 0)
+                ]
+                pending = [f for f in pending if f not in due]
+                after = [f for f in due if f.get("at") == "after"]
+                for f in due:
+                    if f in after:
+                        continue
+                    if f["kind"] in ("killmid", "stopmid"):
+                        # SIGKILL or SIGSTOP from a thread a random moment into the step:
+                        # with the default delays, most likely inside the gradient
+                        # all-reduce.
+                        act = kill_self if f["kind"] == "killmid" else stop_self
+                        threading.Timer(f.get("delay", 0.002), act).start()
+                    else:
                         _fault(f["kind"])
-                    if f["step"] == before and f["kind"] == "killmid":
-                        # SIGKILL from a thread while the main thread is in the backward
-                        # pass (most likely inside the gradient all-reduce).
-                        threading.Timer(f.get("delay", 0.002), kill_self).start()
                 loss = ((model(x_all[ids]) - y_all[ids]) ** 2).mean()
                 loss.backward()
                 opt.step()
@@ -111,18 +159,30 @@ def train(
                         + "\n"
                     )
                     log.flush()
-                for f in mine:
-                    if f["step"] == before and f.get("at") == "after":
-                        _fault(f["kind"])
+                for f in after:
+                    _fault(f["kind"])
+            if epoch < sampler.epoch:
+                continue  # a joiner: the job was past this epoch already
             # The tail of an epoch smaller than the world size is dropped (every rank must
             # take part in every step): logged so that the test can account for it.
             log.write(json.dumps({"epoch_end": epoch, "dropped": sampler.dropped}) + "\n")
             log.flush()
+            stats = model.resilience_stats
+            if full and faults_seen(stats) >= len(faults) and stats["world_size"] >= full:
+                # Every fault happened and the world is whole again: the same decision on
+                # every member (the history and the epoch end are the same everywhere).
+                break
     stats = model.resilience_stats
     stats["dropped"] = sampler.dropped
     stats["final_hash"] = state_hash(model.module, opt)
     rd.destroy_process_group()
     return stats
+
+
+def faults_seen(stats: dict[str, Any]) -> int:
+    """Ranks lost so far in the job (the world-size history is sent to joiners)."""
+    sizes = [w for _, w in stats["world_size_history"]]
+    return sum(max(0, a - b) for a, b in itertools.pairwise(sizes))
 
 
 def _fault(kind: str) -> None:

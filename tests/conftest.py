@@ -186,3 +186,21 @@ def teardown_process_group() -> Iterator[None]:
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (the elastic fault matrix: minutes each)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (nox -s tests -- --run-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -35,6 +35,7 @@ Healthy steps pay nothing for this: no store call, no vote, only a flag check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -58,7 +59,7 @@ log = logging.getLogger("resilient_ddp")
 JOINER_ENV = "RESILIENT_DDP_JOINER"
 UID_ENV = "RESILIENT_DDP_UID"
 _POLL_S = 0.005
-_MAX_JOIN_TRIES = 2  # failed admissions of one joiner before its request is ignored
+_MAX_JOIN_TRIES = 3  # admissions failed by a joiner itself before it gives up
 
 
 @dataclass
@@ -153,9 +154,13 @@ def recover(
     t0 = time.monotonic()
     cfg = rt.config
     budget = 3 * cfg.op_timeout.total_seconds() + cfg.heartbeat_timeout.total_seconds()
-    before = {"generation": rt.generation, "world_size": rt.world_size}
+    # A failed admission is recovered by the members of the generation it started from:
+    # the joiners were never part of the job (they wait for another admission).
+    gen_from = getattr(cause, "gen_from", rt.generation)
+    world = getattr(cause, "world_from", rt.world_size)
+    before = {"generation": gen_from, "world_size": world}
     first_culprits = _culprits(rt)
-    round_, candidates, gen_from = 0, list(range(rt.world_size)), rt.generation
+    round_, candidates = 0, list(range(world))
     while True:
         if time.monotonic() - t0 > budget:
             rt.mark_raised()
@@ -165,9 +170,12 @@ def recover(
                 culprits=first_culprits,
                 generation=rt.generation,
             ) from cause
-        dec = _agree(rt, el, f"rec/g{gen_from}/r{round_}", candidates, where, has_grads)
+        dec = _agree(
+            rt, el, f"rec/g{gen_from}/r{round_}", candidates, where, has_grads, (gen_from, world)
+        )
         if dec.get("fail"):
             rt.mark_raised()
+            _mark_ended(rt.control_root, el, dec["fail"])
             raise RankFailureError(
                 dec["fail"] + "".join("\n" + c.describe() for c in first_culprits),
                 culprits=first_culprits,
@@ -195,6 +203,7 @@ def recover(
             # generation just formed.
             log.warning("rank %d: state transfer failed: %s", rt.rank, e)
             round_, candidates, gen_from = 0, list(range(rt.world_size)), rt.generation
+            world = rt.world_size
             continue
         break
     rt.raised = False
@@ -280,6 +289,7 @@ def _agree(
     candidates: list[int],
     where: str,
     has_grads: bool,
+    basis: tuple[int, int],
 ) -> dict[str, Any]:
     root = rt.control_root
     _append(
@@ -302,7 +312,7 @@ def _agree(
         props = {p["rank"]: p for p in _read_log(root, f"{base}/log")}
         gone, dead = _gone(rt)
         if all(r in props or r in gone for r in candidates) or time.monotonic() >= deadline:
-            dec = _decide(rt, el, props, candidates, dead)
+            dec = _decide(rt, props, candidates, dead, basis)
             root.compare_set(decided, "", json.dumps(dec))
             continue
         if rt.watchdog is not None:
@@ -312,13 +322,15 @@ def _agree(
 
 def _decide(
     rt: Runtime,
-    el: Elastic,
     props: dict[int, dict[str, Any]],
     candidates: list[int],
     dead: set[int],
+    basis: tuple[int, int],
 ) -> dict[str, Any]:
+    """The decision from the proposals of ``candidates``, ranks of generation ``basis[0]``
+    of ``basis[1]`` ranks; ``dead``: ranks known dead, not merely silent."""
+    gen, world = basis
     ranks = sorted(r for r in props if r in candidates)
-    world = rt.world_size
     n = len(ranks)
     lost = [r for r in range(world) if r not in ranks]
     dec: dict[str, Any] = {"old_ranks": ranks, "lost": lost, "fail": None}
@@ -326,13 +338,13 @@ def _decide(
     if n < need:
         dec["fail"] = (
             f"only {n} rank(s) survive {(lost and 'the loss of rank(s) ' + str(lost)) or ''} "
-            f"in generation {rt.generation}, fewer than min_world_size={need}: training "
+            f"in generation {gen}, fewer than min_world_size={need}: training "
             "cannot go on"
         )
         return dec
     if 2 * n < world or (2 * n == world and not set(lost) <= dead):
         dec["fail"] = (
-            f"only {n} of {world} ranks of generation {rt.generation} reached the store "
+            f"only {n} of {world} ranks of generation {gen} reached the store "
             f"together (lost: {lost}, not known dead): a minority does not go on alone"
         )
         return dec
@@ -374,20 +386,19 @@ def _form(
 ) -> None:
     """Form generation ``gen`` with ``members`` (ids by new rank); bounded.
 
+    ``old_ranks``: each member's rank in the current generation, in new-rank order (joiners,
+    after them, have none).
+
     Raises:
         RankFailureError: A member did not arrive in time (it died meanwhile).
     """
-    from .membership import rebuild
-
-    cfg = rt.config
+    timeout_s = _form_timeout(rt.config)
     root = rt.control_root
     rank = members.index(el.uid)
-    world = len(members)
-    timeout_s = max(2.0, min(cfg.heartbeat_timeout.total_seconds(), cfg.op_timeout.total_seconds()))
     # Everyone posts "ready" first: a member that died after the decision is noticed here,
     # quickly, rather than by the backend's rendezvous timeout.
     root.set(f"form/g{gen}/{rank}", "1")
-    keys = [f"form/g{gen}/{r}" for r in range(world)]
+    keys = [f"form/g{gen}/{r}" for r in range(len(members))]
     deadline = time.monotonic() + timeout_s
     while not root.check(keys):
         gone, _ = _gone(rt)
@@ -402,14 +413,61 @@ def _form(
                 generation=rt.generation,
             )
         time.sleep(_POLL_S)
-    rebuild(rt, gen, timeout_s=timeout_s, rank=rank, world_size=world)
-    rt.seq = 0  # op sequence numbers start again with the generation (joiners start at 0)
-    el.members = list(members)
+    _rebuild(rt, gen, rank, members)
     el.grow = None
     el.acked = -1
     if rt.rank == 0:
         # The launcher (rd.spawn) reads who is a member, to end removed processes.
         root.set("members", json.dumps({"gen": gen, "members": members}))
+
+
+def _form_timeout(cfg: Any) -> float:
+    """Seconds a member waits for the others to arrive at a new generation's rendezvous."""
+    return float(
+        max(2.0, min(cfg.heartbeat_timeout.total_seconds(), cfg.op_timeout.total_seconds()))
+    )
+
+
+def _rebuild(rt: Runtime, gen: int, rank: int, members: list[int]) -> None:
+    from .membership import rebuild
+
+    rebuild(rt, gen, timeout_s=_form_timeout(rt.config), rank=rank, world_size=len(members))
+    # Op sequence numbers start again with the generation (joiners start at 0); so does
+    # the last op a heartbeat shows, or a peer's diagnosis would compare across generations.
+    rt.seq = 0
+    rt.op, rt.op_seq = "", -1
+    rt.elastic.members = list(members)
+
+
+def _mark_ended(root: dist.Store, el: Elastic, why: str | None) -> None:
+    """Tell waiting joiners that the job is over: it failed (``why``) or finished."""
+    # Best effort: joiners also give up at their own timeout.
+    with contextlib.suppress(Exception):
+        root.compare_set("ended", "", json.dumps({"step": el.committed, "failed": why}))
+
+
+def leave(rt: Runtime) -> None:
+    """A member leaves normally (``destroy_process_group``): the last one of its generation
+    to leave marks the job finished, so that joiners still waiting exit."""
+    el = rt.elastic
+    if el is None or rt.raised:
+        return
+    try:
+        left = int(rt.control_root.add(f"left/g{rt.generation}", 1))
+    except Exception:  # noqa: BLE001 - best effort, as above
+        return
+    if left >= rt.world_size:
+        _mark_ended(rt.control_root, el, None)
+
+
+class _AdmissionError(RankFailureError):
+    """An admission failed after the members started forming the grown generation: they
+    recover as the generation it started from (``gen_from``, ``world_from`` ranks)."""
+
+    def __init__(self, cause: RankFailureError, gen_from: int, world_from: int) -> None:
+        super().__init__(str(cause), culprits=cause.culprits, generation=cause.generation)
+        self.gen_from = gen_from
+        self.world_from = world_from
 
 
 def _send_state(
@@ -439,6 +497,10 @@ def maybe_admit(
     Returns:
         True if joiners were admitted (a new generation formed, state sent): the reducer
         must be rebuilt.
+
+    Raises:
+        RankFailureError: The admission failed once under way (a member or a joiner died):
+            the members recover as the generation they were (see :func:`recover`).
     """
     root = rt.control_root
     key = f"grow/g{rt.generation}"
@@ -462,29 +524,44 @@ def maybe_admit(
             "at": at,
             "joiners": pending,
             "gen": _next_generation(rt),
+            "from": rt.generation,
             "members": el.members + pending,
         }
         won = root.compare_set(key, "", json.dumps(dec))
         el.grow = json.loads(won)
         if el.grow == dec:
             for i, uid in enumerate(pending):
-                root.set(
-                    f"join/adm/{uid}",
-                    json.dumps(
-                        {"gen": dec["gen"], "rank": len(el.members) + i, "members": dec["members"]}
-                    ),
-                )
+                adm = {**dec, "rank": len(el.members) + i}
+                root.set(f"join/adm/{uid}", json.dumps(adm))
     assert el.grow is not None
     if el.committed < int(el.grow["at"]):
         return False
     grow = el.grow
     t0 = time.monotonic()
-    before = rt.world_size
-    for s in el.live_samplers():
-        s._on_admit(grow["joiners"])
-    _form(rt, el, grow["gen"], grow["members"], None)
+    before, gen_from = rt.world_size, rt.generation
+    saved = [(s, s._on_admit(grow["joiners"])) for s in el.live_samplers()]
+    error: RankFailureError | None = None
+    try:
+        _form(rt, el, grow["gen"], grow["members"], list(range(before)))
+        _send_state(rt, 0, snapshot, None, load_here=False)
+    except RankFailureError as e:
+        error = e
+    if not _admission_result(rt, grow, grow["members"].index(el.uid), ok=error is None):
+        el.grow = None
+        for s, undo in saved:
+            s._restore_pending(undo)
+        error = error or RankFailureError(
+            f"the admission to generation {grow['gen']} failed on another rank",
+            generation=rt.generation,
+        )
+        log.warning(
+            "rank %d: admission of %s failed (%s); going on without them",
+            rt.rank,
+            grow["joiners"],
+            error,
+        )
+        raise _AdmissionError(error, gen_from, before) from error
     el.admitted = sorted(set(el.admitted) | set(grow["joiners"]))
-    _send_state(rt, 0, snapshot, None, load_here=False)
     el.join_seen = int(root.add("join/n", 0)) > el.joins_seen
     took = time.monotonic() - t0
     el.events.append(
@@ -513,6 +590,29 @@ def maybe_admit(
     return True
 
 
+def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) -> bool:
+    """Whether admission ``adm`` succeeded everywhere: every member and joiner formed the
+    group and has the state. Decided once (``compare_set``), so that all act alike; a
+    rank that does not confirm within the form timeout fails it. Bounded."""
+    root = rt.control_root
+    base = f"adm/g{adm['gen']}"
+    result = f"{base}/result"
+    if ok:
+        root.set(f"{base}/ok/{rank}", "1")
+    else:
+        root.compare_set(result, "", "fail")
+    keys = [f"{base}/ok/{r}" for r in range(len(adm["members"]))]
+    deadline = time.monotonic() + _form_timeout(rt.config)
+    while not root.check([result]):
+        if root.check(keys):
+            root.compare_set(result, "", "ok")
+        elif time.monotonic() >= deadline:
+            root.compare_set(result, "", "fail")
+        else:
+            time.sleep(_POLL_S)
+    return root.get(result) == b"ok"
+
+
 def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
     requests = _read_log(root, "join/log")
     el.joins_seen = len(requests)
@@ -521,8 +621,8 @@ def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
         uid = int(req["uid"])
         if uid in el.members or uid in el.admitted or uid in out:
             continue
-        if int(root.add(f"join/tries/{uid}", 0)) >= _MAX_JOIN_TRIES:
-            continue
+        if root.check([f"join/gone/{uid}"]):
+            continue  # gave up (too many failed admissions)
         out.append(uid)
     return out
 
@@ -531,15 +631,18 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     """Joiner side (``RESILIENT_DDP_JOINER=1``): ask to join the running job, wait until
     the members admit this process, form the group with them and receive the state.
 
-    Blocks at most ``timeout``.
+    Blocks at most ``timeout``. An admission the members abandon (a failure among them)
+    is waited out; one that fails because of this process counts against it, and it gives
+    up after ``_MAX_JOIN_TRIES`` of them.
 
     Raises:
         PreflightError: Not admitted within ``timeout`` (no job with
-            ``on_failure="shrink"`` is running on that store, or it cannot take members).
+            ``on_failure="shrink"`` is running on that store, or it cannot take members),
+            admission failed too often, or the job failed before admitting this process.
+        SystemExit: With code 0, when the job finished before admitting this process: it
+            has nothing left to do.
     """
-    from . import _runtime
     from .errors import PreflightError
-    from .membership import rebuild
     from .process_group import control_store
 
     root = control_store(None)
@@ -552,8 +655,9 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     _append(root, "join/log", {"uid": uid, "host": identity["host"], "pid": identity["pid"]})
     root.add("join/n", 1)
     deadline = time.monotonic() + timeout.total_seconds()
-    tried_gen = -1
+    tried_gen, failures = -1, 0
     while True:
+        _check_ended(root, uid)
         if time.monotonic() >= deadline:
             raise PreflightError(
                 f"this process (member id {uid}) asked to join the running job but was not "
@@ -567,39 +671,115 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
             time.sleep(0.01)
             continue
         tried_gen = adm["gen"]
-        members = adm["members"]
-        rt = Runtime(
-            rank=adm["rank"],
-            world_size=len(members),
-            backend=backend or "gloo",
-            control_root=root,
-            config=cfg,
-            generation=-1,
-        )
-        rt.elastic = Elastic(uid=uid, members=list(members))
-        root.set(f"form/g{adm['gen']}/{adm['rank']}", "1")
-        try:
-            _runtime.set_current(rt)
-            rebuild(
-                rt,
-                adm["gen"],
-                timeout_s=max(2.0, cfg.heartbeat_timeout.total_seconds()),
-                rank=adm["rank"],
-                world_size=len(members),
-            )
-            from .checkpoint import broadcast_state_dict
+        if not _await_members(root, adm, deadline, uid):
+            continue  # the members went another way (a failure among them)
+        rt, state, error = _admit(root, uid, adm, backend, cfg)
+        if rt is not None:
+            return rt, state
+        if error is None:
+            continue  # a member failed: not this process's fault
+        failures += 1
+        if failures >= _MAX_JOIN_TRIES:
+            root.set(f"join/gone/{uid}", "1")
+            raise PreflightError(
+                f"this process (member id {uid}) could not be admitted to the running "
+                f"job: {failures} admissions failed, the last one with: {error}",
+                problems=["joiner admission failed"],
+            ) from error
 
-            state = broadcast_state_dict(None, src=0, timeout=cfg.op_timeout)
-        except (RankFailureError, ControlPlaneError) as e:
-            _runtime.set_current(None)
-            root.add(f"join/tries/{uid}", 1)
-            log.warning("joiner %d: admission to generation %d failed: %s", uid, adm["gen"], e)
-            continue
+
+def _admit(
+    root: dist.Store, uid: int, adm: dict[str, Any], backend: str | None, cfg: Any
+) -> tuple[Runtime | None, dict[str, Any], BaseException | None]:
+    """Form the admission's generation with the members and receive the state.
+
+    Returns:
+        ``(runtime, state, None)`` when admitted; ``(None, {}, error)`` when the admission
+        failed because of this process, ``(None, {}, None)`` when because of a member.
+    """
+    from . import _runtime
+    from .checkpoint import broadcast_state_dict
+
+    gen, rank, members = int(adm["gen"]), int(adm["rank"]), list(adm["members"])
+    rt = Runtime(
+        rank=rank,
+        world_size=len(members),
+        backend=backend or "gloo",
+        control_root=root,
+        config=cfg,
+        generation=-1,
+    )
+    rt.elastic = el = Elastic(uid=uid, members=members)
+    root.set(f"form/g{gen}/{rank}", "1")
+    error: BaseException | None = None
+    state: dict[str, Any] = {}
+    try:
+        _runtime.set_current(rt)
+        _rebuild(rt, gen, rank, members)
+        state = broadcast_state_dict(None, src=0, timeout=cfg.op_timeout)
+    except (RankFailureError, ControlPlaneError) as e:
+        error = e
+    if _admission_result(rt, adm, rank, ok=error is None):
         rt.raised = False
-        el = rt.elastic
         el.received = state
         el.committed = int(state["committed"])
         el.admitted = list(state.get("admitted", []))
         el.history = list(state.get("history", []))
         el.note_world(rt, "join")
-        return rt, state
+        return rt, state, None
+    _runtime.set_current(None)
+    if rt.watchdog is not None:
+        rt.watchdog.stop(timeout=2 * cfg.heartbeat_interval.total_seconds() + 1)
+        rt.watchdog = None
+    log.warning(
+        "joiner %d: admission to generation %d failed: %s",
+        uid,
+        gen,
+        error or "it failed on another rank",
+    )
+    n_old = len(members) - len(adm["joiners"])
+    ranks = {c.rank for c in getattr(error, "culprits", [])}
+    if error is not None and not (ranks and all(r < n_old for r in ranks)):
+        return None, {}, error
+    return None, {}, None
+
+
+def _await_members(root: dist.Store, adm: dict[str, Any], deadline: float, uid: int) -> bool:
+    """Wait until every member of the admission reached its step (they post "ready" then).
+
+    Returns:
+        False if the members abandoned it (the job moved to another generation).
+    """
+    gen, n_old = int(adm["gen"]), len(adm["members"]) - len(adm["joiners"])
+    keys = [f"form/g{gen}/{r}" for r in range(n_old)]
+    while not root.check(keys):
+        _check_ended(root, uid)
+        if time.monotonic() >= deadline:
+            return False
+        # Generation numbers only grow: a newer one than the admission's base means the
+        # members recovered from a failure instead of reaching the admission step.
+        current = int(root.get("gen")) if root.check(["gen"]) else 0
+        if current > int(adm["from"]) and current != gen:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def _check_ended(root: dist.Store, uid: int) -> None:
+    if not root.check(["ended"]):
+        return
+    from .errors import PreflightError
+
+    ended = json.loads(root.get("ended"))
+    if ended["failed"]:
+        raise PreflightError(
+            f"this process (member id {uid}) was to join a job that failed before "
+            f"admitting it: {ended['failed']}",
+            problems=["job failed"],
+        )
+    log.warning(
+        "joiner %d: the job finished (step %d) before admitting this process; exiting",
+        uid,
+        ended["step"],
+    )
+    raise SystemExit(0)

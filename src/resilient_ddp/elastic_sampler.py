@@ -181,10 +181,16 @@ class ElasticDistributedSampler:
     def _rollback(self) -> None:
         self._pending = []
 
-    def _on_admit(self, joiners: list[int]) -> None:
-        """Joiners take the slots after the existing ones in the step being fetched."""
+    def _on_admit(self, joiners: list[int]) -> list[dict[str, Any]]:
+        """Joiners take the slots after the existing ones in the step being fetched.
+
+        Returns:
+            The steps in flight as they were, for :meth:`_restore_pending` if the admission
+            fails.
+        """
+        saved = [{**f, "slots": list(f["slots"])} for f in self._pending]
         if not self._pending:
-            return
+            return saved
         f = self._pending[-1]
         for uid in joiners:
             avail = self._available() - sum(p["n"] for p in self._pending)
@@ -192,6 +198,11 @@ class ElasticDistributedSampler:
             f["slots"].append((uid, f["n"], f["n"] + count))
             f["items"] = f["items"] + self._take(f["n"], count)
             f["n"] += count
+        return saved
+
+    def _restore_pending(self, saved: list[dict[str, Any]]) -> None:
+        """Undo :meth:`_on_admit` (the admission failed)."""
+        self._pending = saved
 
     def _admission_step(self, at: int, world: int, new_world: int, committed: int) -> int:
         """The first step at or after ``at`` where joiners get full slots: when the epoch

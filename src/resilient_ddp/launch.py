@@ -67,7 +67,8 @@ def spawn(
             processes may be started in all. A process that dies, raises or is removed from
             the group is replaced by a new one started as a joiner
             (``RESILIENT_DDP_JOINER=1``, same ``fn(rank, ...)`` slot), and the others are not
-            stopped. ``0`` (default): no replacement; a failure ends the job as above.
+            stopped. ``0`` (default): no replacement; a failure ends the job as above,
+            except under ``on_failure="shrink"``, where the survivors go on.
 
     Returns:
         The return values of ``fn``, indexed by rank (slot).
@@ -228,6 +229,8 @@ class _Job:
                 if failed and self.restarts_left > 0:
                     self._replace(rank)
                     continue
+                if failed and not self.elastic:
+                    self.elastic = _is_elastic(self.control_root)
                 exited.add(rank)
                 if failed and not self.elastic:
                     kill_at = min(kill_at, now + grace.total_seconds())
@@ -237,8 +240,17 @@ class _Job:
                 # A failure reported by the ranks themselves (a timeout naming a stopped
                 # rank, say) also starts the grace period: such a rank may never exit.
                 next_event_poll = now + 0.25
+                # Elastic training (on_failure="shrink"), even without replacements: the
+                # survivors go on, so they are not stopped after a failure.
+                self.elastic = _is_elastic(self.control_root)
                 events_seen, failed_seen = _failure_reported(self.control_root, events_seen)
-                if failed_seen:
+                if failed_seen and not self.elastic:
+                    kill_at = now + grace.total_seconds()
+            if self.elastic and kill_at == float("inf") and now >= next_event_poll:
+                next_event_poll = now + 0.25
+                if _job_ended(self.control_root):
+                    # The group failed (too few ranks, a minority) or finished: what is left
+                    # (a stopped rank, a joiner) gets the grace period.
                     kill_at = now + grace.total_seconds()
             if now >= min(deadline, kill_at):
                 return
@@ -334,6 +346,22 @@ def _failure_reported(control_root: dist.Store, seen: int) -> tuple[int, bool]:
         return n, failed
     except Exception:  # noqa: BLE001 - the store is ours; failing to read it is not fatal
         return seen, False
+
+
+def _is_elastic(control_root: dist.Store) -> bool:
+    """Whether the ranks train with ``on_failure="shrink"`` (they set up its keys)."""
+    try:
+        return bool(control_root.check(["join/n"]))
+    except Exception:  # noqa: BLE001 - the store is ours; unreadable means "no"
+        return False
+
+
+def _job_ended(control_root: dist.Store) -> bool:
+    """Whether elastic training ended for good (its members mark it; see elastic.py)."""
+    try:
+        return bool(control_root.check(["ended"]))
+    except Exception:  # noqa: BLE001 - the store is ours; unreadable means "not yet"
+        return False
 
 
 def _report_death(control_root: dist.Store, rank: int, exitcode: int) -> None:

@@ -17,6 +17,7 @@ from ._backend import abort_group, backend_name, default_pg_timeout
 from ._runtime import Runtime
 from .config import ResilienceConfig, get_config
 from .elastic import JOINER_ENV, join
+from .elastic import leave as elastic_leave
 from .elastic import setup as elastic_setup
 from .errors import ConfigError, PreflightError
 from .preflight import preflight
@@ -226,6 +227,8 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
         exc = sys.exc_info()[1]
         if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             rt.report_exception(exc)
+        elif exc is None:
+            elastic_leave(rt)  # joiners still waiting learn that the job finished
         _detach(rt)
         if rt.stuck:
             # A gloo group whose op is stuck behind a stopped peer blocks in its destructor
