@@ -89,7 +89,8 @@ def train(
     cfg: dict[str, Any],
     pace: float = 0.0,
 ) -> dict[str, Any]:
-    """Train; faults: [{"uid": u, "step": s, "kind": kill|raise|stop|killmid|stopmid, "at":
+    """Train; faults: [{"uid": u, "step": s, "kind": kill|raise|stop|killmid|stopmid|
+    die_in_form|die_sending (armed at that step, see _IN_RECOVERY), "at":
     forward|after, "delay": seconds into the step for the *mid kinds, "full": world size,
     "after": ranks lost before}].
 
@@ -129,7 +130,9 @@ def train(
                 for f in due:
                     if f in after:
                         continue
-                    if f["kind"] in ("killmid", "stopmid"):
+                    if f["kind"] in _IN_RECOVERY:
+                        _arm(f["kind"])
+                    elif f["kind"] in ("killmid", "stopmid"):
                         # SIGKILL or SIGSTOP from a thread a random moment into the step:
                         # with the default delays, most likely inside the gradient
                         # all-reduce.
@@ -177,6 +180,25 @@ def train(
     stats["final_hash"] = state_hash(model.module, opt)
     rd.destroy_process_group()
     return stats
+
+
+# Faults inside the library's recovery: die when forming the next generation (after the
+# decision counted this process in), or when about to send the state as its source.
+_IN_RECOVERY = {"die_in_form": "_form", "die_sending": "_send_state"}
+
+
+def _arm(kind: str) -> None:
+    from resilient_ddp import elastic
+
+    name = _IN_RECOVERY[kind]
+    original = getattr(elastic, name)
+
+    def patched(rt: Any, *args: Any, **kwargs: Any) -> Any:
+        if kind == "die_in_form" or args[0] == rt.rank:
+            kill_self()
+        return original(rt, *args, **kwargs)
+
+    setattr(elastic, name, patched)
 
 
 def faults_seen(stats: dict[str, Any]) -> int:

@@ -123,6 +123,47 @@ def test_churn_of_mixed_faults_one_after_another(tmp_path: Path) -> None:
     _check_job(_run(tmp_path, faults, 200, 100), tmp_path, faults)
 
 
+@pytest.mark.parametrize(
+    ("case", "faults"),
+    [
+        # Two failures in a row: the second strikes right after the first recovery, before
+        # any replacement joined (4 -> 3 -> 2 -> 4).
+        (
+            "two_in_a_row",
+            [
+                {"uid": 1, "step": 20, "kind": "kill", "full": 4},
+                {"uid": 2, "step": 20, "kind": "kill", "after": 1},
+            ],
+        ),
+        # A failure during recovery: rank 2 dies while the generation that counts it in
+        # forms after rank 1's death; the others start another round without it.
+        (
+            "during_recovery",
+            [
+                {"uid": 1, "step": 20, "kind": "kill", "full": 4},
+                {"uid": 2, "step": 20, "kind": "die_in_form"},
+            ],
+        ),
+        # The state source fails: rank 0 dies as it is about to send the state to the
+        # replacement of rank 3; the admission fails, the members recover without rank 0
+        # and the joiner is admitted afterwards with rank 0's replacement.
+        (
+            "state_source",
+            [
+                {"uid": 3, "step": 10, "kind": "kill", "full": 4},
+                {"uid": 0, "step": 11, "kind": "die_sending"},
+            ],
+        ),
+    ],
+)
+def test_failures_in_recovery(case: str, faults: list[dict[str, Any]], tmp_path: Path) -> None:
+    survivor = _check_job(_run(tmp_path, faults, 200, 100), tmp_path, faults)
+    sizes = [h[1] for h in survivor["world_size_history"]]
+    if case == "two_in_a_row":
+        assert sizes[:3] == [4, 3, 2], survivor["world_size_history"]
+    assert min(sizes) == 2, survivor["world_size_history"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["kill", "raise", "stop"])

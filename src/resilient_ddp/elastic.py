@@ -206,8 +206,21 @@ def recover(
             world = rt.world_size
             continue
         break
+    _publish_members(rt)
     rt.raised = False
-    took = time.monotonic() - t0
+    _record_shrink(rt, el, dec, first_culprits, before, time.monotonic() - t0)
+    return dec
+
+
+def _record_shrink(
+    rt: Runtime,
+    el: Elastic,
+    dec: dict[str, Any],
+    culprits: list[Any],
+    before: dict[str, int],
+    took: float,
+) -> None:
+    """Count, record and log (one line) a completed shrink."""
     outcome = dec["outcome"]
     if outcome == "redo":
         el.redone += 1
@@ -217,8 +230,7 @@ def recover(
         "t": time.time(),
         "kind": "shrink",
         "culprits": [
-            {"rank": c.rank, "host": c.host, "what": c.what, "phase": c.phase}
-            for c in first_culprits
+            {"rank": c.rank, "host": c.host, "what": c.what, "phase": c.phase} for c in culprits
         ],
         "generation": rt.generation,
         "world_size_before": before["world_size"],
@@ -230,7 +242,7 @@ def recover(
     }
     el.events.append(event)
     el.note_world(rt, "shrink")
-    who = ", ".join(f"rank {c.rank} ({c.what})" for c in first_culprits) or "a peer"
+    who = ", ".join(f"rank {c.rank} ({c.what})" for c in culprits) or "a peer"
     log.warning(
         "resilient_ddp: %s failed at step %d; going on with %d rank(s) (was %d) as "
         "generation %d, this process is now rank %d; step %s; recovered in %.2f s",
@@ -243,7 +255,6 @@ def recover(
         {"redo": "redone over the survivors", "skip": "skipped", "continue": "kept"}[outcome],
         took,
     )
-    return dec
 
 
 def _culprits(rt: Runtime) -> list[Any]:
@@ -416,9 +427,15 @@ def _form(
     _rebuild(rt, gen, rank, members)
     el.grow = None
     el.acked = -1
+
+
+def _publish_members(rt: Runtime) -> None:
+    """Rank 0 records who the members are, once a generation is complete (formed, state
+    in sync, admissions confirmed): the launcher (rd.spawn) ends processes it removed."""
     if rt.rank == 0:
-        # The launcher (rd.spawn) reads who is a member, to end removed processes.
-        root.set("members", json.dumps({"gen": gen, "members": members}))
+        rt.control_root.set(
+            "members", json.dumps({"gen": rt.generation, "members": rt.elastic.members})
+        )
 
 
 def _form_timeout(cfg: Any) -> float:
@@ -562,6 +579,7 @@ def maybe_admit(
         )
         raise _AdmissionError(error, gen_from, before) from error
     el.admitted = sorted(set(el.admitted) | set(grow["joiners"]))
+    _publish_members(rt)
     el.join_seen = int(root.add("join/n", 0)) > el.joins_seen
     took = time.monotonic() - t0
     el.events.append(
