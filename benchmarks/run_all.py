@@ -671,6 +671,190 @@ def render_sampler(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _steps_line(check: dict[str, Any] | None, what: str) -> list[str]:
+    if not check:
+        return []
+    back, jumped = len(check.get("went_back", [])), len(check.get("jumped", []))
+    return [
+        f"Committed step count in the {what} run, over {check.get('processes', '?')} processes "
+        f"(replacements included): {back} time(s) back, {jumped} jump(s).",
+        "",
+    ]
+
+
+@renderer("elastic")
+def render_elastic(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    cfg = setup.get("config", {})
+    recovery, rejoin, overhead = data.get("recovery"), data.get("rejoin"), data.get("overhead")
+    lines = [
+        f"{setup.get('world_size', '?')} gloo ranks on CPU (one torch thread each) train with "
+        f"`rd.ResilienceConfig(on_failure='shrink', min_world_size={cfg.get('min_world_size')}, "
+        f"heartbeat_interval={cfg.get('heartbeat_interval_s')} s, heartbeat_timeout="
+        f"{cfg.get('heartbeat_timeout_s')} s, op_timeout={cfg.get('op_timeout_s')} s)`, "
+        "`rd.ResilientDDP`, `rd.ElasticDistributedSampler` and "
+        f"{setup.get('optimizer', 'SGD')}, launched by `resilient_ddp.testing.run_ranks(..., "
+        "restarts=N)`, which replaces a failed process by a joiner. One fault at a time: "
+        f"from step {setup.get('first_fault_step', '?')}, and {setup.get('gap_steps', '?')} "
+        "steps after the previous replacement joined, the process at rank "
+        f"{', '.join(map(str, setup.get('culprit_ranks', [])))} in turn fails "
+        f"{setup.get('fault_point', '')}. Every time is between two `time.time()` readings "
+        "of different processes of one host. Medians over "
+        f"{setup.get('trials', '?')} trial(s) per fault kind and as many rejoins.",
+        "",
+    ]
+    if recovery:
+        lines += [
+            f"**Recovery** ({recovery.get('model', '?')}, batch "
+            f"{setup.get('recovery_batch', '?')} per rank, {setup.get('recovery_compute_s', 0):g}"
+            " s of sleep per step standing for compute): from the fault (the culprit's clock "
+            "just before it kills itself or raises) to the last survivor's first completed "
+            "step on the new generation (after its `optimizer.step()`). On that survivor it "
+            "splits into detection (fault to the start of recovery: the shrink event's `t` "
+            "minus its `recovery_s`), the library's `recovery_s` (to the new generation "
+            "ready) and the rest of the step. Seconds.",
+            "",
+        ]
+        rows = [
+            [
+                _FAULT.get(r["kind"], r["kind"]),
+                f"{r['complete']} / {r['trials']}",
+                _s(r["median_s"]),
+                _s(r["max_s"]),
+                _s(r["median_first_s"]),
+                _s(r["median_detection_s"]),
+                _s(r["median_recovery_s"]),
+                _s(r["median_finish_s"]),
+                ", ".join(r.get("outcomes", [])) or "-",
+            ]
+            for r in recovery.get("rows", [])
+        ]
+        header = [
+            "fault",
+            "complete trials",
+            "fault to last survivor's step",
+            "worst",
+            "first survivor",
+            "detection",
+            "recovery_s",
+            "rest of the step",
+            "step in flight",
+        ]
+        lines += md_table(header, rows, align="llrrrrrrl")
+        lines += ["", *_steps_line(recovery.get("steps"), "recovery")]
+    if rejoin:
+        cols = [(rejoin.get("row", {}), rejoin.get("params"), rejoin.get("batch"))]
+        small = recovery.get("rejoin_small_model") if recovery else None
+        if recovery and small and small.get("trials"):
+            cols.append((small, recovery.get("params"), setup.get("recovery_batch")))
+        lines += [
+            "**Rejoin**: after each fault the launcher starts a replacement, which asks to "
+            "join in `rd.init_process_group` and is admitted at a step boundary. Timed from "
+            "the start of its `rd.init_process_group` to the end of its first step; its "
+            "process start before that (spawn, `import torch`, building the model) is not "
+            "part of the bound and is shown apart. The members' `admission_s` is their join "
+            "event's; the members' step that admitted the joiner includes waiting for it in "
+            "that step's gradient all-reduce. Seconds, medians.",
+            "",
+        ]
+        measures = [
+            ("rejoins", "trials", None),
+            ("request to first completed step", "median_s", "**"),
+            ("worst", "max_s", None),
+            ("- `rd.init_process_group` (admitted, state received)", "median_init_s", None),
+            ("- `rd.ResilientDDP(...)`, optimizer, sampler", "median_wrap_s", None),
+            ("- first step", "median_first_step_s", None),
+            ("members' `admission_s`", "median_admission_s", None),
+            ("members' step that admitted the joiner", "median_member_admission_step_s", None),
+            ("members' other steps at full size", "median_member_step_s", None),
+            ("fault to the replacement process's start", "median_replacement_started_s", None),
+            ("process start to `rd.init_process_group`", "median_process_start_s", None),
+        ]
+        body = []
+        for label, key, bold in measures:
+            cells = []
+            for row, _, _ in cols:
+                v = row.get(key)
+                text = str(v) if key == "trials" else _s(v)
+                cells.append(f"{bold}{text}{bold}" if bold and v is not None else text)
+            body.append([label, *cells])
+        header = [
+            "",
+            *(
+                f"MLP {(p or 0) / 1e6:.1f} M parameters, batch {b}"
+                + ("" if i == 0 else " (recovery run)")
+                for i, (_, p, b) in enumerate(cols)
+            ),
+        ]
+        lines += md_table(header, body, align="l" + "r" * len(cols))
+        lines.append("")
+        for r in rejoin.get("recovery", []):
+            if r.get("median_s") is not None:
+                lines += [
+                    "Recovery after the kills of this run (MLP "
+                    f"{rejoin.get('params', 0) / 1e6:.1f} M parameters): fault to "
+                    f"the last survivor's first step {_s(r['median_s'])} s (median over "
+                    f"{r['complete']}; detection {_s(r['median_detection_s'])} s, `recovery_s` "
+                    f"{_s(r['median_recovery_s'])} s, rest of the step "
+                    f"{_s(r['median_finish_s'])} s).",
+                    "",
+                ]
+        lines += _steps_line(rejoin.get("steps"), "rejoin")
+    if overhead:
+        lines += [
+            f"**Healthy-step overhead**: {overhead.get('world_size', '?')} ranks, one process "
+            "group with the config above, `bench_ddp_step.py`'s measurement (MLP, batch "
+            f"{overhead.get('batch', '?')}; {overhead.get('rounds', '?')} interleaved rounds of "
+            f"{overhead.get('steps', '?')} steps; the ratio is the median of the per-round "
+            "ratios, rank 0; rank 1 alongside). In such a group `ResilientDDP` is elastic.",
+            "",
+        ]
+        rows = [
+            [
+                r["model"],
+                f"{r['params'] / 1e6:.1f} M",
+                f"{r['ddp_ms']:.1f}",
+                f"{r['pyhook_ms']:.1f}",
+                f"{r['rd_ms']:.1f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_rank1']:.3f}",
+                f"{r['ratio_pyhook']:.3f}",
+                f"{r['ratio_vs_pyhook']:.3f}",
+            ]
+            for r in overhead.get("rows", [])
+        ]
+        header = [
+            "model",
+            "parameters",
+            "DDP ms",
+            "DDP + Python hook ms",
+            "ResilientDDP (shrink) ms",
+            "ResilientDDP / DDP",
+            "(rank 1)",
+            "Python hook / DDP",
+            "ResilientDDP / Python hook",
+        ]
+        lines += md_table(header, rows, align="lrrrrrrrr")
+        lines.append("")
+    for p in data.get("problems", []):
+        lines += ["Problem in this run:", "", "```text", p.rstrip("\n"), "```", ""]
+    if rejoin:
+        lines += [
+            "Reading these figures: the replacement's `rd.ResilientDDP(...)` is the first "
+            "DistributedDataParallel built in its process, and torch's DDP constructor "
+            "imports `torch._dynamo` there (`torch._dynamo.utils.get_optimize_ddp_mode()`, "
+            "torch 2.13: 1.2 s alone in a fresh process on a 2-core machine, more under "
+            "load); the members, already in the step that admitted it, wait for it in that "
+            "step's all-reduce.",
+            "",
+        ]
+    return lines
+
+
 # -- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
