@@ -49,3 +49,16 @@ def test_demo_without_fault_finishes_and_exits_zero() -> None:
     code, out = _demo("--fault", "none", "--steps", "4")
     assert code == 0, out
     assert all("finished 4 steps" in row for row in _rows(out).values()), out
+
+
+def test_elastic_demo_goes_on_and_admits_a_replacement() -> None:
+    code, out = _demo("--elastic")
+    assert code == 0, out
+    assert "world size  4 -> 3 -> 4 " in out, out
+    assert re.search(r"failure     rank 2 died \(process \d+ is gone\) at step 20\n", out), out
+    assert re.search(r"join        rank 2's replacement \(pid \d+\) joined at step \d+", out), out
+    assert re.search(r"state       identical on all 4 ranks", out), out
+    # Each of the 3 survivors logs one line as it goes on, and one as the replacement joins.
+    assert out.count("failed at step 20; going on with 3 rank(s) (was 4)") == 3, out
+    assert out.count("4 rank(s) now (was 3)") == 3, out
+    assert "Training completed on every rank." in out, out

@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="train on local gloo ranks, inject a fault, show what every rank saw",
+        help="train on local gloo ranks, inject a fault, show what every rank saw "
+        "(--elastic: the others go on and a replacement joins)",
         description=_demo.__doc__,
     )
     _demo.add_arguments(demo)
