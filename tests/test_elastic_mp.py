@@ -97,11 +97,12 @@ def _run(out_dir: Path, faults: list[dict[str, Any]], epochs: int, seconds: int)
     )
 
 
-@pytest.mark.parametrize("kind", ["kill", "raise", "killmid", "stop"])
+@pytest.mark.parametrize("kind", ["killmid", "sleep"])
 def test_survivors_go_on_and_a_replacement_rejoins(kind: str, tmp_path: Path) -> None:
-    """One rank fails (kill -9 before its forward, raises, is killed from a thread during
-    its backward pass, or is frozen with SIGSTOP); the other three go on, a replacement
-    joins, and at every committed step every process holds the same state."""
+    """One rank fails (killed from a thread during its backward pass, or hangs before its
+    forward: the others time out in the reduction); the other three go on, a replacement
+    joins, and at every committed step every process holds the same state. The churn
+    test below covers kill, raise and SIGSTOP."""
     faults = [{"uid": 2, "kind": kind, "step": 20, "delay": 0.002}]
     outcomes = _run(tmp_path, faults, 30, 80)
     assert [o.rank for o in outcomes if o.previous] == [2], format_outcomes(outcomes)

@@ -159,7 +159,8 @@ def recover(
     gen_from = getattr(cause, "gen_from", rt.generation)
     world = getattr(cause, "world_from", rt.world_size)
     before = {"generation": gen_from, "world_size": world}
-    first_culprits = _culprits(rt)
+    # The watchdog's record, or else what the failed op itself found.
+    first_culprits = _culprits(rt) or list(getattr(cause, "culprits", None) or [])
     round_, candidates = 0, list(range(world))
     while True:
         if time.monotonic() - t0 > budget:
@@ -315,14 +316,29 @@ def _agree(
             "admitted": el.admitted,
         },
     )
-    deadline = time.monotonic() + rt.config.op_timeout.total_seconds()
+    cfg = rt.config
+    deadline = time.monotonic() + cfg.op_timeout.total_seconds()
+    # A rank named by a timeout but not known dead may only have been slower to give up
+    # (it timed out too and is on its way here): it gets a short grace to propose.
+    grace = min(cfg.op_timeout.total_seconds(), 2 * cfg.heartbeat_interval.total_seconds() + 0.5)
+    silent_since: float | None = None
     decided = f"{base}/d"
     while True:
         if root.check([decided]):
             return json.loads(root.get(decided))  # type: ignore[no-any-return]
         props = {p["rank"]: p for p in _read_log(root, f"{base}/log")}
         gone, dead = _gone(rt)
-        if all(r in props or r in gone for r in candidates) or time.monotonic() >= deadline:
+        waiting = [r for r in candidates if r not in props]
+        now = time.monotonic()
+        if waiting and all(r in gone for r in waiting):
+            silent_since = now if silent_since is None else silent_since
+        else:
+            silent_since = None
+        if (
+            all(r in dead for r in waiting)
+            or (silent_since is not None and now - silent_since >= grace)
+            or now >= deadline
+        ):
             dec = _decide(rt, props, candidates, dead, basis)
             root.compare_set(decided, "", json.dumps(dec))
             continue
@@ -520,36 +536,8 @@ def maybe_admit(
             the members recover as the generation they were (see :func:`recover`).
     """
     root = rt.control_root
-    key = f"grow/g{rt.generation}"
-    if el.grow is None and root.check([key]):
-        el.grow = json.loads(root.get(key))
-    if el.grow is None:
-        if el.acked != rt.generation:
-            root.set(f"{key}/ack/{rt.rank}", str(el.committed))
-            el.acked = rt.generation
-        acks = [f"{key}/ack/{r}" for r in range(rt.world_size)]
-        if not root.check(acks):
-            return False
-        pending = _pending_joiners(root, el)
-        if not pending:
-            el.join_seen = False
-            return False
-        at = max(int(v) for v in root.multi_get(acks)) + 2
-        for s in el.live_samplers():
-            at = s._admission_step(at, rt.world_size, rt.world_size + len(pending), el.committed)
-        dec = {
-            "at": at,
-            "joiners": pending,
-            "gen": _next_generation(rt),
-            "from": rt.generation,
-            "members": el.members + pending,
-        }
-        won = root.compare_set(key, "", json.dumps(dec))
-        el.grow = json.loads(won)
-        if el.grow == dec:
-            for i, uid in enumerate(pending):
-                adm = {**dec, "rank": len(el.members) + i}
-                root.set(f"join/adm/{uid}", json.dumps(adm))
+    if el.grow is None and not _grow_decision(rt, el):
+        return False
     assert el.grow is not None
     if el.committed < int(el.grow["at"]):
         return False
@@ -564,6 +552,12 @@ def maybe_admit(
     except RankFailureError as e:
         error = e
     if not _admission_result(rt, grow, grow["members"].index(el.uid), ok=error is None):
+        if grow["members"].index(el.uid) == 0:
+            # A joiner that did not even arrive (it died, hangs or came too late) is
+            # blamed, so that a dead one is not admitted again and again.
+            for i, uid in enumerate(grow["joiners"]):
+                if not root.check([f"form/g{grow['gen']}/{before + i}"]):
+                    root.add(f"join/tries/{uid}", 1)
         el.grow = None
         for s, undo in saved:
             s._restore_pending(undo)
@@ -579,6 +573,9 @@ def maybe_admit(
         )
         raise _AdmissionError(error, gen_from, before) from error
     el.admitted = sorted(set(el.admitted) | set(grow["joiners"]))
+    if rt.rank == 0:
+        for uid in grow["joiners"]:
+            root.set(f"join/done/{uid}", "1")  # never a pending joiner again
     _publish_members(rt)
     el.join_seen = int(root.add("join/n", 0)) > el.joins_seen
     took = time.monotonic() - t0
@@ -631,6 +628,45 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
     return root.get(result) == b"ok"
 
 
+def _grow_decision(rt: Runtime, el: Elastic) -> bool:
+    """Acknowledge the pending join requests and, once every member did, fix the
+    admission (step, joiners, generation) through ``compare_set``.
+
+    Returns:
+        Whether ``el.grow`` holds the decision now.
+    """
+    root = rt.control_root
+    key = f"grow/g{rt.generation}"
+    if root.check([key]):
+        el.grow = json.loads(root.get(key))
+        return True
+    if el.acked != rt.generation:
+        root.set(f"{key}/ack/{rt.rank}", str(el.committed))
+        el.acked = rt.generation
+    acks = [f"{key}/ack/{r}" for r in range(rt.world_size)]
+    if not root.check(acks):
+        return False
+    pending = _pending_joiners(root, el)
+    if not pending:
+        el.join_seen = False
+        return False
+    at = max(int(v) for v in root.multi_get(acks)) + 2
+    for s in el.live_samplers():
+        at = s._admission_step(at, rt.world_size, rt.world_size + len(pending), el.committed)
+    dec = {
+        "at": at,
+        "joiners": pending,
+        "gen": _next_generation(rt),
+        "from": rt.generation,
+        "members": el.members + pending,
+    }
+    el.grow = json.loads(root.compare_set(key, "", json.dumps(dec)))
+    if el.grow == dec:
+        for i, uid in enumerate(pending):
+            root.set(f"join/adm/{uid}", json.dumps({**dec, "rank": len(el.members) + i}))
+    return True
+
+
 def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
     requests = _read_log(root, "join/log")
     el.joins_seen = len(requests)
@@ -639,8 +675,10 @@ def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
         uid = int(req["uid"])
         if uid in el.members or uid in el.admitted or uid in out:
             continue
-        if root.check([f"join/gone/{uid}"]):
-            continue  # gave up (too many failed admissions)
+        if root.check([f"join/done/{uid}"]) or root.check([f"join/gone/{uid}"]):
+            continue  # admitted once (a member since, maybe gone), or gave up
+        if int(root.add(f"join/tries/{uid}", 0)) >= _MAX_JOIN_TRIES:
+            continue  # never arrived at its admissions: dead or unreachable
         out.append(uid)
     return out
 
@@ -660,6 +698,10 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
         SystemExit: With code 0, when the job finished before admitting this process: it
             has nothing left to do.
     """
+    # DDP's constructor imports torch._dynamo (over a second): do it before asking, not
+    # while the members wait for this process in their first step with it.
+    import torch._dynamo  # noqa: F401
+
     from .errors import PreflightError
     from .process_group import control_store
 
@@ -676,6 +718,12 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     tried_gen, failures = -1, 0
     while True:
         _check_ended(root, uid)
+        if int(root.add(f"join/tries/{uid}", 0)) >= _MAX_JOIN_TRIES:
+            raise PreflightError(
+                f"this process (member id {uid}) was not admitted: it did not reach "
+                f"{_MAX_JOIN_TRIES} of its admissions in time, and the members gave up",
+                problems=["joiner not admitted"],
+            )
         if time.monotonic() >= deadline:
             raise PreflightError(
                 f"this process (member id {uid}) asked to join the running job but was not "
