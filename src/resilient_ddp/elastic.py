@@ -152,6 +152,9 @@ def recover(
     """
     el: Elastic = rt.elastic
     t0 = time.monotonic()
+    rt.phase = "recovery"  # peers waiting for this rank's proposal see it coming
+    if rt.watchdog is not None:
+        rt.watchdog.poke()
     cfg = rt.config
     budget = 3 * cfg.op_timeout.total_seconds() + cfg.heartbeat_timeout.total_seconds()
     # A failed admission is recovered by the members of the generation it started from:
@@ -209,7 +212,10 @@ def recover(
         break
     _publish_members(rt)
     rt.raised = False
-    _record_shrink(rt, el, dec, first_culprits, before, time.monotonic() - t0)
+    # Only the ranks the group lost: a timeout can also name a rank that merely gave up
+    # first (it was recovering already, and is still a member).
+    lost = [c for c in first_culprits if c.rank in dec["lost"]]
+    _record_shrink(rt, el, dec, lost, before, time.monotonic() - t0)
     return dec
 
 
@@ -330,7 +336,7 @@ def _agree(
         gone, dead = _gone(rt)
         waiting = [r for r in candidates if r not in props]
         now = time.monotonic()
-        if waiting and all(r in gone for r in waiting):
+        if waiting and all(r in gone for r in waiting) and not _recovering(rt, waiting, dead):
             silent_since = now if silent_since is None else silent_since
         else:
             silent_since = None
@@ -345,6 +351,19 @@ def _agree(
         if rt.watchdog is not None:
             rt.watchdog.poke()
         time.sleep(_POLL_S)
+
+
+def _recovering(rt: Runtime, ranks: list[int], dead: set[int]) -> bool:
+    """Whether one of ``ranks`` (not known dead) says, in its heartbeat, that it is in
+    recovery: a timeout named it because it gave up first, it is on its way to propose."""
+    alive = [r for r in ranks if r not in dead]
+    if not alive:
+        return False
+    try:
+        states = rt.control.read_states(alive)
+    except Exception:  # noqa: BLE001 - unreadable: decide on what is known
+        return False
+    return any(s.get("phase") == "recovery" for s in states.values())
 
 
 def _decide(
@@ -552,11 +571,12 @@ def maybe_admit(
     except RankFailureError as e:
         error = e
     if not _admission_result(rt, grow, grow["members"].index(el.uid), ok=error is None):
-        if grow["members"].index(el.uid) == 0:
-            # A joiner that did not even arrive (it died, hangs or came too late) is
-            # blamed, so that a dead one is not admitted again and again.
-            for i, uid in enumerate(grow["joiners"]):
-                if not root.check([f"form/g{grow['gen']}/{before + i}"]):
+        ready = [f"form/g{grow['gen']}/{r}" for r in range(len(grow["members"]))]
+        if grow["members"].index(el.uid) == 0 and root.check(ready[:before]):
+            # Every member arrived but a joiner did not (it died, hangs or came too
+            # late): it is blamed, so that a dead one is not admitted again and again.
+            for uid, key in zip(grow["joiners"], ready[before:], strict=True):
+                if not root.check([key]):
                     root.add(f"join/tries/{uid}", 1)
         el.grow = None
         for s, undo in saved:

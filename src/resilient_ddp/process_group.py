@@ -74,7 +74,11 @@ def init_process_group(
         ConfigError: Already initialised through resilient_ddp.
         PreflightError: The environment is unusable, the store cannot be reached or hosted
             (port in use), ranks did not arrive, or ranks disagree (versions, devices); or
-            some rank did not attach within ``config.init_timeout``.
+            some rank did not attach within ``config.init_timeout``. For a joiner
+            (``RESILIENT_DDP_JOINER=1``, elastic training): not admitted in time, or the
+            job failed before admitting it.
+        SystemExit: A joiner whose job finished before admitting it exits with code 0
+            (it has nothing left to do).
     """
     if _runtime.current() is not None:
         raise ConfigError("resilient_ddp is already initialised in this process.")
