@@ -132,6 +132,7 @@ def test_survivors_go_on_and_a_replacement_rejoins(kind: str, tmp_path: Path) ->
     assert [h[1] for h in survivor["world_size_history"]] == [4, 3, 4], survivor
 
 
+@pytest.mark.slow
 def test_churn_of_mixed_faults_one_after_another(tmp_path: Path) -> None:
     """Eight seeded faults of every kind (kill -9, raise, SIGSTOP; before the forward or a
     random moment into the step, mostly inside the gradient all-reduce), each after the
