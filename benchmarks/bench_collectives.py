@@ -347,14 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd = ["python", "benchmarks/bench_collectives.py"]
     if args.quick:
         cmd.append("--quick")
+    machine = {**machine_info(), "load_avg_before": load_before, "load_avg_after": load_after}
     result = {
-        "benchmark": NAME,
-        "title": TITLE,
-        "command": " ".join(cmd),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "seconds": round(elapsed, 1),
-        "machine": {**machine_info(), "load_avg_before": load_before, "load_avg_after": load_after},
+        **result_header(
+            NAME, TITLE, " ".join(cmd), quick=args.quick, seconds=elapsed, machine=machine
+        ),
         "setup": {
             "world_size": WORLD_SIZE,
             "backend": "gloo",
@@ -380,6 +377,27 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {_display(out)}")
     return 0
+
+
+def result_header(
+    name: str,
+    title: str,
+    command: str,
+    *,
+    quick: bool,
+    seconds: float,
+    machine: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The fields every benchmark's JSON result starts with (run_all renders them)."""
+    return {
+        "benchmark": name,
+        "title": title,
+        "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick,
+        "seconds": round(seconds, 1),
+        "machine": machine_info() if machine is None else machine,
+    }
 
 
 def _loadavg() -> list[float] | None:

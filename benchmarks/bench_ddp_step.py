@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_collectives import machine_info  # the same machine description for every bench
+from bench_collectives import result_header  # one header for every bench
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -141,14 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                 "measured": f"worst {worst['ratio']:.3f} ({worst['model']})",
             }
         )
+    command = "python benchmarks/bench_ddp_step.py" + (" --quick" if args.quick else "")
     result = {
-        "benchmark": NAME,
-        "title": TITLE,
-        "command": "python benchmarks/bench_ddp_step.py" + (" --quick" if args.quick else ""),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "seconds": round(elapsed, 1),
-        "machine": machine_info(),
+        **result_header(NAME, TITLE, command, quick=args.quick, seconds=elapsed),
         "setup": {**plan, "world_size": WORLD_SIZE, "torch_threads_per_rank": 1},
         "rows": rows,
         "targets": targets,

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import json
 import os
 import queue
@@ -569,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         zygote_main()
         return 0
 
-    from bench_collectives import _display, _loadavg, machine_info
+    from bench_collectives import _display, _loadavg, machine_info, result_header
     from plots import TIMELINE_PNG, plot_timeline
 
     out: Path = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
@@ -615,14 +614,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd = ["python", "benchmarks/bench_detection.py"]
     if args.quick:
         cmd.append("--quick")
+    machine = {**machine_info(), "load_avg_before": load_before, "load_avg_after": _loadavg()}
     data = {
-        "benchmark": NAME,
-        "title": TITLE,
-        "command": " ".join(cmd),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "seconds": round(elapsed, 1),
-        "machine": {**machine_info(), "load_avg_before": load_before, "load_avg_after": _loadavg()},
+        **result_header(
+            NAME, TITLE, " ".join(cmd), quick=args.quick, seconds=elapsed, machine=machine
+        ),
         "setup": {
             "world_size": args.world_size,
             "culprit": CULPRIT,

@@ -41,7 +41,6 @@ The full run writes ``benchmarks/results/elastic.json``; ``--quick`` writes unde
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import faulthandler
 import itertools
 import json
@@ -57,7 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_collectives import _display, _loadavg, machine_info  # one machine description
+from bench_collectives import _display, _loadavg, machine_info, result_header
 from bench_ddp_step import MODELS, _measure, _mlp  # the step-time rounds and their models
 from bench_ddp_step import TARGET as OVERHEAD_BOUND
 from bench_detection import COMPUTE_S, SIMULATED_ERROR, _Events, _read_events
@@ -677,14 +676,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--trials", str(args.trials)]
     if args.parts:
         cmd += ["--parts", args.parts]
+    machine = {**machine_info(), "load_avg_before": load_before, "load_avg_after": _loadavg()}
     data = {
-        "benchmark": NAME,
-        "title": TITLE,
-        "command": " ".join(cmd),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "seconds": round(elapsed, 1),
-        "machine": {**machine_info(), "load_avg_before": load_before, "load_avg_after": _loadavg()},
+        **result_header(
+            NAME, TITLE, " ".join(cmd), quick=args.quick, seconds=elapsed, machine=machine
+        ),
         "setup": {
             "world_size": WORLD_SIZE,
             "config": CONFIG,

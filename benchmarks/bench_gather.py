@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_collectives import machine_info  # the same machine description for every bench
+from bench_collectives import result_header  # one header for every bench
 
 import resilient_ddp as rd
 
@@ -167,13 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['measured']}")
     cmd = ["python", "benchmarks/bench_gather.py"] + (["--quick"] if args.quick else [])
     result = {
-        "benchmark": NAME,
-        "title": TITLE,
-        "command": " ".join(cmd),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "machine": machine_info(),
+        **result_header(
+            NAME, TITLE, " ".join(cmd), quick=args.quick, seconds=time.perf_counter() - t0
+        ),
         "setup": {
             "world_size": WORLD_SIZE,
             "backend": "gloo",

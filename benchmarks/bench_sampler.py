@@ -32,7 +32,6 @@ figures.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import math
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_collectives import _display, _loadavg, machine_info  # one machine description
+from bench_collectives import _display, _loadavg, machine_info, result_header
 from plots import BALANCE_PNG, plot_balance
 from torch.utils.data import DistributedSampler
 
@@ -341,19 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     cmd = ["python", "benchmarks/bench_sampler.py"]
     if args.quick:
         cmd.append("--quick")
+    machine = {
+        **machine_info(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
+    }
     data = {
-        "benchmark": NAME,
-        "title": TITLE,
-        "command": " ".join(cmd),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "seconds": round(elapsed, 1),
-        "machine": {
-            **machine_info(),
-            "torch_threads": torch.get_num_threads(),
-            "load_avg_before": load_before,
-            "load_avg_after": load_after,
-        },
+        **result_header(
+            NAME, TITLE, " ".join(cmd), quick=args.quick, seconds=elapsed, machine=machine
+        ),
         "setup": {
             "items": N_BALANCE,
             "costs": f"lognormal(mu=0, sigma={SIGMA}), float64, torch.Generator seed {SEED}",
