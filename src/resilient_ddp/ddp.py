@@ -332,7 +332,6 @@ class ResilientDDP(DistributedDataParallel):
             "committed": el.committed,
             "samplers": [s.state_dict() for s in el.live_samplers()],
             "extras": {k: v.state_dict() for k, v in el.extras.items()},
-            "admitted": el.admitted,
             "history": el.history,
         }
 

@@ -75,7 +75,6 @@ class Elastic:
     joins_seen: int = 0
     acked: int = -1  # generation for which this rank acknowledged join requests
     grow: dict[str, Any] | None = None  # the admission decision for this generation
-    admitted: list[int] = field(default_factory=list)
     received: dict[str, Any] | None = None  # joiner: state received at admission
     pending_optim: list[Any] | None = None  # optimizer states to load at the next step
     optimizers: list[weakref.ReferenceType[Any]] = field(default_factory=list)
@@ -319,7 +318,6 @@ def _agree(
             "committed": el.committed,
             "where": where,
             "grads": has_grads,
-            "admitted": el.admitted,
         },
     )
     cfg = rt.config
@@ -405,7 +403,6 @@ def _decide(
         outcome = "continue"
     else:
         outcome = "skip"
-    admitted = sorted({u for r in ranks for u in props[r].get("admitted", [])})
     dec.update(
         gen=_next_generation(rt),
         members=[int(props[r]["uid"]) for r in ranks],
@@ -413,7 +410,6 @@ def _decide(
         outcome=outcome,
         sync=not same,
         committed=top,
-        admitted=admitted,
     )
     return dec
 
@@ -592,10 +588,8 @@ def maybe_admit(
             error,
         )
         raise _AdmissionError(error, gen_from, before) from error
-    el.admitted = sorted(set(el.admitted) | set(grow["joiners"]))
-    if rt.rank == 0:
-        for uid in grow["joiners"]:
-            root.set(f"join/done/{uid}", "1")  # never a pending joiner again
+    for uid in grow["joiners"]:
+        root.set(f"join/done/{uid}", "1")  # never a pending joiner again (see below)
     _publish_members(rt)
     el.join_seen = int(root.add("join/n", 0)) > el.joins_seen
     took = time.monotonic() - t0
@@ -693,7 +687,7 @@ def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
     out = []
     for req in requests:
         uid = int(req["uid"])
-        if uid in el.members or uid in el.admitted or uid in out:
+        if uid in el.members or uid in out:
             continue
         if root.check([f"join/done/{uid}"]) or root.check([f"join/gone/{uid}"]):
             continue  # admitted once (a member since, maybe gone), or gave up
@@ -809,7 +803,6 @@ def _admit(
         rt.raised = False
         el.received = state
         el.committed = int(state["committed"])
-        el.admitted = list(state.get("admitted", []))
         el.history = list(state.get("history", []))
         el.note_world(rt, "join")
         return rt, state, None

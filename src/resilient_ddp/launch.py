@@ -230,7 +230,7 @@ class _Job:
                     self._replace(rank)
                     continue
                 if failed and not self.elastic:
-                    self.elastic = _is_elastic(self.control_root)
+                    self.elastic = _store_has(self.control_root, _ELASTIC_KEY)
                 exited.add(rank)
                 if failed and not self.elastic:
                     kill_at = min(kill_at, now + grace.total_seconds())
@@ -242,13 +242,13 @@ class _Job:
                 next_event_poll = now + 0.25
                 # Elastic training (on_failure="shrink"), even without replacements: the
                 # survivors go on, so they are not stopped after a failure.
-                self.elastic = _is_elastic(self.control_root)
+                self.elastic = _store_has(self.control_root, _ELASTIC_KEY)
                 events_seen, failed_seen = _failure_reported(self.control_root, events_seen)
                 if failed_seen and not self.elastic:
                     kill_at = now + grace.total_seconds()
             if self.elastic and kill_at == float("inf") and now >= next_event_poll:
                 next_event_poll = now + 0.25
-                if _job_ended(self.control_root):
+                if _store_has(self.control_root, _ENDED_KEY):
                     # The group failed (too few ranks, a minority) or finished: what is left
                     # (a stopped rank, a joiner) gets the grace period.
                     kill_at = now + grace.total_seconds()
@@ -348,19 +348,16 @@ def _failure_reported(control_root: dist.Store, seen: int) -> tuple[int, bool]:
         return seen, False
 
 
-def _is_elastic(control_root: dist.Store) -> bool:
-    """Whether the ranks train with ``on_failure="shrink"`` (they set up its keys)."""
-    try:
-        return bool(control_root.check(["join/n"]))
-    except Exception:  # noqa: BLE001 - the store is ours; unreadable means "no"
-        return False
+# Keys the ranks of an elastic job (on_failure="shrink") set in the store: its set-up, and
+# its end for good (finished, or failed for too few ranks; see elastic.py).
+_ELASTIC_KEY, _ENDED_KEY = "join/n", "ended"
 
 
-def _job_ended(control_root: dist.Store) -> bool:
-    """Whether elastic training ended for good (its members mark it; see elastic.py)."""
+def _store_has(control_root: dist.Store, key: str) -> bool:
+    """Whether ``key`` is in the store; an unreadable store counts as "not (yet)"."""
     try:
-        return bool(control_root.check(["ended"]))
-    except Exception:  # noqa: BLE001 - the store is ours; unreadable means "not yet"
+        return bool(control_root.check([key]))
+    except Exception:  # noqa: BLE001 - the store is ours; a failed read is retried later
         return False
 
 
