@@ -221,6 +221,33 @@ def lost_op(rank: int, attempts: int, cfg_kwargs: dict[str, Any]) -> Any:
         rd.destroy_process_group()
 
 
+def rebuild_after_a_failed_attempt(rank: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """Rank 0 tries to form generation 5 alone and times out; then both ranks form
+    generation 6, which must not fail because of what rank 0's failed attempt left."""
+    from resilient_ddp.membership import rebuild
+
+    _init(cfg_kwargs)
+    rt = rd._runtime.current()
+    assert rt is not None
+    store = rt.control_root
+    try:
+        if rank == 0:
+            try:
+                rebuild(rt, 5, timeout_s=0.5)
+            except rd.RankFailureError as e:
+                store.set("test/first_failed", type(e).__name__)
+        store.wait(["test/first_failed"], timedelta(seconds=20))
+        rebuild(rt, 6, timeout_s=5.0)
+        total = rd.all_reduce(torch.ones(1)).item()
+        return {
+            "first": store.get("test/first_failed").decode(),
+            "sum": total,
+            "gen": rt.generation,
+        }
+    finally:
+        rd.destroy_process_group()
+
+
 def plain_torch_init(rank: int, kind: str) -> Any:
     """The user initialised torch.distributed themselves; rd ops attach on first use."""
     faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)

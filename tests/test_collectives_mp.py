@@ -195,6 +195,15 @@ def test_lost_op_without_retry_is_a_typed_error() -> None:
         assert v["ranks"] == []
 
 
+def test_a_group_forms_after_a_failed_attempt_in_one_of_its_processes() -> None:
+    """torch counts a failed ``init_process_group``'s group: without undoing that, the
+    next attempt of that process rendezvouses under another name than its peers'."""
+    outcomes = _run(w.rebuild_after_a_failed_attempt, 2, FAST)
+    values = _values(outcomes, [0, 1])
+    for v in values.values():
+        assert v == {"first": "RankFailureError", "sum": 2.0, "gen": 6}, v
+
+
 def test_attaches_to_a_plain_torch_process_group() -> None:
     outcomes = _run(w.plain_torch_init, 3, "kill")
     values = _values(outcomes, [0, 1])

@@ -70,3 +70,20 @@ def default_pg_timeout(op_budget: timedelta, heartbeat_timeout: timedelta) -> ti
     interpreter exit blocked until it times out (30 minutes by torch's default).
     """
     return op_budget + heartbeat_timeout + timedelta(seconds=30)
+
+
+def forget_failed_init() -> None:
+    """Undo what a failed ``init_process_group`` leaves behind, so that the next attempt
+    rendezvouses under the same names as its peers.
+
+    torch names process groups from a counter (``get_pg_count()``) that starts again at 0
+    when the default group is destroyed; an init that fails (its rendezvous timed out)
+    still counted its group, so a retry in that process would meet its peers under the
+    next name (``pg/1`` against their ``pg/0``) and time out again, for ever.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        try:
+            world.group_count = 0
+        except Exception:  # a torch without the counter: nothing to undo
+            log.debug("could not reset torch's process-group counter", exc_info=True)

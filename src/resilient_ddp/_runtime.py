@@ -40,6 +40,9 @@ __all__: list[str] = []
 
 log = logging.getLogger("resilient_ddp")
 
+# The phase a rank shows in its heartbeat while it recovers from a failure (elastic.py).
+RECOVERY_PHASE = "recovery"
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _THREADING_FILE = os.path.abspath(threading.__file__)
 _MULTIPROCESSING_DIR = os.path.dirname(os.path.abspath(multiprocessing.__file__))
@@ -559,6 +562,14 @@ class Runtime:
                 return "is stopped (SIGSTOP or a debugger) and not responding"
             return f"is not responding (last heartbeat {time.time() - s.get('t', 0):.1f} s ago)"
         their_seq = s.get("seq", -1)
+        if (
+            their_seq == seq
+            and not s.get("in_op")
+            and (s.get("raised") or s.get("phase") == RECOVERY_PHASE)
+        ):
+            # It arrived, and gave up on the op first (its own deadline fired a moment
+            # earlier): a consequence, like this rank's own timeout, never a cause.
+            return f"gave up on {name}#{seq} itself, after an error of its own"
         if their_seq < seq or (their_seq == seq and not s.get("in_op")):
             doing = f"in {s['op']}#{their_seq}" if s.get("in_op") else "outside any collective"
             return f"never arrived at {name}#{seq}: it is {doing}"

@@ -49,7 +49,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _control as ctl
-from ._runtime import Runtime
+from ._runtime import RECOVERY_PHASE, Runtime
 from .errors import ControlPlaneError, RankFailureError
 
 __all__: list[str] = []
@@ -151,7 +151,7 @@ def recover(
     """
     el: Elastic = rt.elastic
     t0 = time.monotonic()
-    rt.phase = "recovery"  # peers waiting for this rank's proposal see it coming
+    rt.phase = RECOVERY_PHASE  # peers waiting for this rank's proposal see it coming
     if rt.watchdog is not None:
         rt.watchdog.poke()
     cfg = rt.config
@@ -361,7 +361,7 @@ def _recovering(rt: Runtime, ranks: list[int], dead: set[int]) -> bool:
         states = rt.control.read_states(alive)
     except Exception:  # noqa: BLE001 - unreadable: decide on what is known
         return False
-    return any(s.get("phase") == "recovery" for s in states.values())
+    return any(s.get("phase") == RECOVERY_PHASE for s in states.values())
 
 
 def _decide(
@@ -443,11 +443,14 @@ def _form(
     keys = [f"form/g{gen}/{r}" for r in range(len(members))]
     deadline = time.monotonic() + timeout_s
     while not root.check(keys):
-        gone, _ = _gone(rt)
+        # Only a member known dead since the decision is given up on at once: one that a
+        # timeout named (or that looked unresponsive) before it proposed is merely slower,
+        # and one that stopped since is left to the deadline.
+        _, dead = _gone(rt)
         lost = [
             members[i]
             for i, old in enumerate(old_ranks or [])
-            if old in gone and not root.check([keys[i]])
+            if old in dead and not root.check([keys[i]])
         ]
         if lost or time.monotonic() >= deadline:
             raise RankFailureError(

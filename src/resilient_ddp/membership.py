@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import _control as ctl
-from ._backend import abort_group, default_pg_timeout
+from ._backend import abort_group, default_pg_timeout, forget_failed_init
 from ._runtime import Runtime
 from .errors import PreflightError, RankFailureError
 from .process_group import _join_control_plane
@@ -118,6 +118,7 @@ def rebuild(
             timeout=timedelta(seconds=timeout_s),
         )
     except Exception as e:
+        forget_failed_init()
         rt.mark_raised()
         raise RankFailureError(
             f"rank {rt.rank} could not form generation {generation} within {timeout_s:.1f} s "
