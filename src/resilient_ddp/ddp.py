@@ -417,9 +417,11 @@ class ResilientDDP(DistributedDataParallel):
             ``{"rank", "world_size", "generation", "step", "failures", "joins",
             "redone_steps", "skipped_steps", "recovery_s", "events", "world_size_history"}``:
             ``step`` is the number of committed steps (reductions applied), ``events`` one
-            record per shrink or join (culprits, outcome, timings), ``recovery_s`` the
-            recovery time of each shrink in seconds. Without ``on_failure="shrink"`` only
-            rank, world size and generation are filled in.
+            record per shrink or join (culprits, outcome, timings) and, in a process that
+            joined a running job, an ``"admitted"`` record (``requested_t``: when it asked,
+            ``time.time()``; ``waited_s``: from asking to admitted with the state),
+            ``recovery_s`` the recovery time of each shrink in seconds. Without
+            ``on_failure="shrink"`` only rank, world size and generation are filled in.
         """
         rt = _runtime.current()
         out: dict[str, Any] = {

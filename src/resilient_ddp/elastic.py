@@ -73,7 +73,8 @@ class Elastic:
     rebuild: bool = False  # ResilientDDP's reducer must be rebuilt at the next forward
     join_seen: bool = False  # the watchdog saw join requests
     joins_seen: int = 0
-    acked: int = -1  # generation for which this rank acknowledged join requests
+    # (generation, number of join requests) this rank acknowledged: one round of acks
+    acked: tuple[int, int] = (-1, -1)
     grow: dict[str, Any] | None = None  # the admission decision for this generation
     received: dict[str, Any] | None = None  # joiner: state received at admission
     pending_optim: list[Any] | None = None  # optimizer states to load at the next step
@@ -415,8 +416,9 @@ def _decide(
 
 
 def _next_generation(rt: Runtime) -> int:
-    """A generation number no group has used (every caller gets a different one)."""
-    return rt.generation + int(rt.control_root.add("gen_seq", 1))
+    """A generation number no group has used, above every one used so far: every
+    generation after the first is drawn from this one counter (group retries too)."""
+    return int(rt.control_root.add("gen_seq", 1))
 
 
 def _form(
@@ -460,7 +462,7 @@ def _form(
         time.sleep(_POLL_S)
     _rebuild(rt, gen, rank, members)
     el.grow = None
-    el.acked = -1
+    el.acked = (-1, -1)
 
 
 def _publish_members(rt: Runtime) -> None:
@@ -649,6 +651,12 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     """Acknowledge the pending join requests and, once every member did, fix the
     admission (step, joiners, generation) through ``compare_set``.
 
+    A round of acknowledgements is keyed by the number of requests the member saw: an
+    acknowledgement says "I saw these requests, and I look for the decision at each forward
+    from now on". Only then may a decision name a step: it is the decider's next step
+    boundary (lockstep: no member can have completed the step the decider is about to
+    start, so every member reaches that boundary after the decision exists).
+
     Returns:
         Whether ``el.grow`` holds the decision now.
     """
@@ -657,17 +665,20 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     if root.check([key]):
         el.grow = json.loads(root.get(key))
         return True
-    if el.acked != rt.generation:
-        root.set(f"{key}/ack/{rt.rank}", str(el.committed))
-        el.acked = rt.generation
-    acks = [f"{key}/ack/{r}" for r in range(rt.world_size)]
-    if not root.check(acks):
+    n = int(root.add("join/n", 0))
+    if el.acked != (rt.generation, n):
+        if not _pending_joiners(root, el):
+            el.join_seen = False  # nothing to admit (yet): the watchdog wakes us again
+            return False
+        root.set(f"{key}/n{n}/ack/{rt.rank}", "1")
+        el.acked = (rt.generation, n)
+    if not root.check([f"{key}/n{n}/ack/{r}" for r in range(rt.world_size)]):
         return False
     pending = _pending_joiners(root, el)
     if not pending:
         el.join_seen = False
         return False
-    at = max(int(v) for v in root.multi_get(acks)) + 2
+    at = el.committed + 1
     for s in el.live_samplers():
         at = s._admission_step(at, rt.world_size, rt.world_size + len(pending), el.committed)
     dec = {
@@ -731,6 +742,7 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     identity = ctl.my_identity(-1)
     _append(root, "join/log", {"uid": uid, "host": identity["host"], "pid": identity["pid"]})
     root.add("join/n", 1)
+    requested = time.time()
     deadline = time.monotonic() + timeout.total_seconds()
     tried_gen, failures = -1, 0
     while True:
@@ -758,6 +770,17 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
             continue  # the members went another way (a failure among them)
         rt, state, error = _admit(root, uid, adm, backend, cfg)
         if rt is not None:
+            rt.elastic.events.append(
+                {
+                    "t": time.time(),
+                    "kind": "admitted",
+                    "requested_t": requested,
+                    "generation": rt.generation,
+                    "world_size": rt.world_size,
+                    "step": rt.elastic.committed,
+                    "waited_s": round(time.time() - requested, 4),
+                }
+            )
             return rt, state
         if error is None:
             continue  # a member failed: not this process's fault

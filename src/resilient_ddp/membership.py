@@ -64,7 +64,7 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
         votes = int(store.add(key, 0))
     # Generation numbers come from one counter in the store (elastic training draws from it
     # too); the first voter's draw is the one every rank uses.
-    draw = rt.generation + int(rt.control_root.add("gen_seq", 1))
+    draw = int(rt.control_root.add("gen_seq", 1))
     gen = int(rt.control_root.compare_set(f"{key}/gen/g{rt.generation}", "", str(draw)))
     rebuild(rt, gen, timeout_s=max(1.0, deadline - time.monotonic()))
     log.warning(
