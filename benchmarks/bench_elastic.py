@@ -15,9 +15,10 @@ Three measurements, each in its own launch:
   recovery to the new generation ready) and the rest of the step.
 * **rejoin**: the same, with an MLP of ~10 M parameters (float32, SGD with momentum: the
   joiner receives the weights and the momentum), and what is timed is the replacement:
-  from the start of the joiner's ``rd.init_process_group`` (it asks to join) to its first
-  completed step. Its process start (spawn, ``import torch``, building the model) comes
-  before and is reported apart, as is the members' ``admission_s`` (their join event). No
+  from the joiner's request to join (``requested_t`` of its ``admitted`` event, posted in
+  ``rd.init_process_group`` once its start-up is done) to its first completed step. Its
+  process start (spawn, ``import torch``, building the model) and that start-up come
+  before and are reported apart, as is the members' ``admission_s`` (their join event). No
   process's committed step count may ever go back (in either run).
 * **overhead**: 2 ranks, one process group initialised with the same elastic config;
   ``bench_ddp_step``'s interleaved rounds time plain DDP, DDP with torch's Python
@@ -237,9 +238,11 @@ def fault_worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     sampler = rd.ElasticDistributedSampler(N_SAMPLES, batch, seed=0)
     recorder = _Recorder(events, model.resilience_stats, uid, joiner)
+    admitted = _last(model.resilience_stats["events"], "admitted") if joiner else None
     recorder.joiner_times = {
         "proc_start": proc_start,
         "init_start": init_start,
+        "requested": admitted["requested_t"] if admitted else None,
         "init_done": init_done,
         "ready": time.time(),
     }
@@ -434,9 +437,15 @@ def rejoin_trials(
             durations = _step_durations(events[r["pid"]])
             stall += [d for s, _, d in durations if s == r["step"]]
             typical += [d for s, w, d in durations if w == WORLD_SIZE and s != r["step"]]
+        # The joiner is ready once it asked to join (its start-up is done); before that,
+        # rd.init_process_group prepares it (imports torch._dynamo) while the members train.
+        requested = j.get("requested") or j["init_start"]
         trial = {
             "index": j["index"],
-            "ready_to_first_step_s": round(j["first_step"] - j["init_start"], 4),
+            "ready_to_first_step_s": round(j["first_step"] - requested, 4),
+            "init_to_first_step_s": round(j["first_step"] - j["init_start"], 4),
+            "before_request_s": round(requested - j["init_start"], 4),
+            "admitted_s": round(j["init_done"] - requested, 4),
             "init_s": round(j["init_done"] - j["init_start"], 4),
             "wrap_s": round(j["ready"] - j["init_done"], 4),
             "first_step_s": round(j["first_step"] - j["ready"], 4),
@@ -464,6 +473,9 @@ def rejoin_row(trials: list[dict[str, Any]], model: tuple[Any, ...]) -> dict[str
         "median_s": med("ready_to_first_step_s"),
         "max_s": max((t["ready_to_first_step_s"] for t in trials), default=None),
         "median_init_s": med("init_s"),
+        "median_init_to_first_step_s": med("init_to_first_step_s"),
+        "median_before_request_s": med("before_request_s"),
+        "median_admitted_s": med("admitted_s"),
         "median_wrap_s": med("wrap_s"),
         "median_first_step_s": med("first_step_s"),
         "median_admission_s": med("admission_s"),

@@ -754,9 +754,11 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
         lines += [
             "**Rejoin**: after each fault the launcher starts a replacement, which asks to "
             "join in `rd.init_process_group` and is admitted at a step boundary. Timed from "
-            "the start of its `rd.init_process_group` to the end of its first step; its "
-            "process start before that (spawn, `import torch`, building the model) is not "
-            "part of the bound and is shown apart. The members' `admission_s` is their join "
+            "its request (the `requested_t` of its `admitted` event: the process is ready, "
+            "`rd.init_process_group` has done its start-up) to the end of its first step; "
+            "what comes before (spawn, `import torch`, building the model, the start-up in "
+            "`rd.init_process_group`) is not part of the bound and is shown apart, while the "
+            "members train on. The members' `admission_s` is their join "
             "event's; the members' step that admitted the joiner includes waiting for it in "
             "that step's gradient all-reduce. Seconds, medians.",
             "",
@@ -765,7 +767,7 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
             ("rejoins", "trials", None),
             ("request to first completed step", "median_s", "**"),
             ("worst", "max_s", None),
-            ("- `rd.init_process_group` (admitted, state received)", "median_init_s", None),
+            ("- to admitted, state received", "median_admitted_s", None),
             ("- `rd.ResilientDDP(...)`, optimizer, sampler", "median_wrap_s", None),
             ("- first step", "median_first_step_s", None),
             ("members' `admission_s`", "median_admission_s", None),
@@ -773,6 +775,8 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
             ("members' other steps at full size", "median_member_step_s", None),
             ("fault to the replacement process's start", "median_replacement_started_s", None),
             ("process start to `rd.init_process_group`", "median_process_start_s", None),
+            ("`rd.init_process_group` to the request", "median_before_request_s", None),
+            ("`rd.init_process_group` to the first step", "median_init_to_first_step_s", None),
         ]
         body = []
         for label, key, bold in measures:
