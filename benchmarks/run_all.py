@@ -848,17 +848,20 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
         lines += ["Problem in this run:", "", "```text", p.rstrip("\n"), "```", ""]
     if rejoin:
         lines += [
-            "Reading these figures: the 0.5 s rejoin bound is missed by a wide margin. Most "
-            "of the joiner's `rd.init_process_group` is spent before the members can take "
-            "it: it first imports `torch._dynamo` (what torch's DDP constructor would "
-            "otherwise do while the members wait for it in their first step: 1.2 s alone "
-            "in a fresh process on a 2-core machine, more under load), then posts its "
-            "request, and the members admit it two steps after they all saw it (2 x 0.35 s "
-            "at 10 M parameters here) and send it model and optimizer state (84 MB: the "
-            "members' `admission_s`). Healthy-step overhead: ResilientDDP in an elastic "
-            "group costs what torch's own Python comm hook costs plus a few percent "
-            "(last column); the ratios move by several percent from run to run on this "
-            "shared machine.",
+            "Reading these figures: the 0.5 s rejoin bound is missed, about 3x. From its "
+            "request the joiner waits for the members' next step boundary after they all "
+            "saw the request (one to two of their steps: 0.4 s each at 10 M parameters "
+            "with 4 ranks and a joiner on 2 cores), then rank 0 broadcasts model and "
+            "optimizer state (84 MB; the members' `admission_s`, mostly that broadcast, "
+            "which also goes to the members that do not need it), then the joiner's first "
+            "step takes what a step takes. On this machine one step and the transfer "
+            "alone exceed 0.5 s; sending to the joiners only (point to point) is the next "
+            "saving. Before its request the joiner imports `torch._dynamo` (what DDP's "
+            "constructor would otherwise do while the members wait in their first step "
+            "with it): that start-up is shown apart. Healthy-step overhead: ResilientDDP "
+            "in an elastic group costs what torch's own Python comm hook costs, within "
+            "noise (last column); the ratios move by several percent from run to run on "
+            "this shared machine.",
             "",
         ]
     return lines
