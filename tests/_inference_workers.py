@@ -250,6 +250,25 @@ def share_fault(rank: int, kind: str) -> Any:
         rd.destroy_process_group()
 
 
+def send_state(rank: int, kind: str) -> Any:
+    """``send_state_dict`` from rank 0 to rank 2 only; rank 1 takes no part. ``kind``:
+    ``"ok"``, or ``"dies"`` (rank 2 dies first)."""
+    from resilient_ddp.checkpoint import send_state_dict
+
+    _init(FAST)
+    t0 = time.monotonic()
+    try:
+        if rank == 2 and kind == "dies":
+            kill_self()
+        got = send_state_dict(state() if rank == 0 else None, 0, [2], chunk_bytes=1000)
+        after = rd.all_reduce(torch.ones(1)).item()  # one op on every rank: still in step
+        return {"got": "none" if got is None else same(got, state()), "after": after}
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+
+
 # -- distributed inference -------------------------------------------------------------------
 class Items(torch.utils.data.Dataset[dict[str, Any]]):
     """Items of uneven cost: ``length`` features drawn from the item's own seed."""

@@ -169,6 +169,21 @@ def test_broadcast_state_dict_source_killed_is_named() -> None:
         assert v["elapsed"] < 2.0
 
 
+def test_send_state_dict_reaches_its_receivers_only() -> None:
+    values = _values(w.send_state, 3, "ok")
+    assert values[0] == {"got": True, "after": 3.0}  # the sender gets its own dict back
+    assert values[1] == {"got": "none", "after": 3.0}
+    assert values[2] == {"got": True, "after": 3.0}
+
+
+def test_send_state_dict_names_a_receiver_that_died() -> None:
+    outcomes = run_ranks(w.send_state, 3, ("dies",), timeout=DEADLINE)
+    v = outcomes[0].value
+    assert v["type"] == "RankFailureError", format_outcomes(outcomes)
+    assert v["ranks"] == [2]
+    assert v["elapsed"] < 2.0
+
+
 def test_distributed_inference_matches_one_process_exactly() -> None:
     values = _values(w.inference, 3, w.N_ITEMS, None)
     rank0 = values[0]

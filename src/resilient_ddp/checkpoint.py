@@ -81,8 +81,37 @@ def broadcast_state_dict(
         raise ConfigError(f"chunk_bytes should be positive, got {chunk_bytes}")
     o = _Op("broadcast_state_dict", None, timeout, None, 1, True)
     return o.run(
-        lambda: _broadcast(o, state_dict, src, device, chunk_bytes),
+        lambda: _broadcast(o, state_dict, src, device, chunk_bytes, None),
         signature=lambda: _sig("broadcast_state_dict", src=src),
+    )
+
+
+def send_state_dict(
+    state_dict: Any,
+    src: int,
+    dsts: list[int],
+    *,
+    timeout: Duration = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Any:
+    """:func:`broadcast_state_dict` to the ranks ``dsts`` only, point to point: ``src``
+    sends the bytes once to each of them and the other ranks take no part in the transfer
+    (elastic training hands its state to joiners so). Every rank of the default group
+    calls it, in the same order as its other ops (it counts as one op everywhere).
+    ``timeout`` and ``chunk_bytes`` are :func:`broadcast_state_dict`'s.
+
+    Returns:
+        On ``src``, ``state_dict``; on a rank of ``dsts``, the received copy (as
+        :func:`broadcast_state_dict`); elsewhere ``None``.
+
+    Raises:
+        RankFailureError: On ``src`` and ``dsts``: the other side of the transfer died,
+            left, stopped or hangs; names it.
+    """
+    o = _Op("send_state_dict", None, timeout, None, 1, True)
+    return o.run(
+        lambda: _broadcast(o, state_dict, src, None, chunk_bytes, sorted(dsts)),
+        signature=lambda: _sig("send_state_dict", src=src),
     )
 
 
@@ -165,11 +194,30 @@ class _LoadFailed:
 
 
 def _broadcast(
-    o: _Op, state: Any, src: int, device: torch.device | str | None, chunk_bytes: int
+    o: _Op,
+    state: Any,
+    src: int,
+    device: torch.device | str | None,
+    chunk_bytes: int,
+    dsts: list[int] | None,
 ) -> Any:
+    """``state`` from ``src`` to every rank, or to the ranks ``dsts`` point to point."""
     comm = comm_device(None)
     cuda = comm.type == "cuda"
     is_src = o.rt.rank == src
+    if dsts is not None and not is_src and o.rt.rank not in dsts:
+        return None
+
+    def send(t: torch.Tensor) -> None:
+        if dsts is None:
+            o.wait(dist.broadcast(t, src, async_op=True), cuda=cuda)
+        elif is_src:
+            works = [(d, dist.isend(t, d)) for d in dsts]
+            for d, work in works:
+                o.wait_p2p(work, d, cuda=cuda)
+        else:
+            o.wait_p2p(dist.irecv(t, src), src, cuda=cuda)
+
     target = torch.device(device) if device is not None else torch.device("cpu")
     # 1. The structure, tensors left out, and each tensor's dtype, shape and offset; the
     # sender's chunk size travels with it, so that every rank loops the same way. A sender
@@ -186,7 +234,7 @@ def _broadcast(
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             failed = e
     size = torch.tensor([-1 if failed else meta.numel()], dtype=torch.int64, device=comm)
-    o.wait(dist.broadcast(size, src, async_op=True), cuda=cuda)
+    send(size)
     if int(size) < 0:
         o.rt.mark_raised()
         if failed is not None:
@@ -200,7 +248,7 @@ def _broadcast(
             seq=o.seq,
         )
     meta_buf = meta.to(comm) if is_src else torch.empty(int(size), dtype=torch.uint8, device=comm)
-    o.wait(dist.broadcast(meta_buf, src, async_op=True), cuda=cuda)
+    send(meta_buf)
     o.renew()
     skeleton, specs, total, chunk = loads(meta_buf)
     # 2. The tensors' bytes as one stream, chunk by chunk. Receivers take each chunk into
@@ -216,7 +264,7 @@ def _broadcast(
         piece = flat[start:end] if direct and not is_src else staging[: end - start]
         if is_src:
             _fill(piece, start, tensors, specs)
-        o.wait(dist.broadcast(piece, src, async_op=True), cuda=cuda)
+        send(piece)
         if not is_src and not direct:
             flat[start:end].copy_(piece)
         o.renew()

@@ -262,6 +262,60 @@ class _Op:
         self.wait_pending(p, work)
         work.wait()  # the op completed: this only orders the streams
 
+    def wait_p2p(self, work: Any, peer: int, *, cuda: bool = False) -> None:
+        """Wait for a point-to-point ``work`` (a send to or a receive from ``peer``) within
+        the attempt timeout and the budget.
+
+        A gloo send or receive cannot be waited for in slices like a collective: a wait on
+        it that times out closes its connection ("Application timeout caused pair
+        closure"). So it is waited for once, to the end of the attempt; a peer that dies
+        still ends it at once (its connection resets), and the watchdog's record then
+        names it.
+
+        Raises:
+            RankFailureError: ``peer`` (or a rank the watchdog saw fail) did not complete
+                its side: it died, left, stopped or hangs.
+        """
+        if cuda:
+            self.wait(work, cuda=True)
+            return
+        rt = self.rt
+        if rt.failed_for(self.seq):
+            raise rt.build_error(self.name, self.seq)
+        remaining = min(self.start + self.attempt_s, self.deadline) - time.monotonic()
+        try:
+            work.wait(timedelta(seconds=max(_MIN_SLICE_S, remaining)))
+            return
+        except RuntimeError as e:
+            error = e
+        finally:
+            if not work.is_completed():
+                rt.stuck.append(work)  # never destructed while pending (see _wait_sliced)
+        grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
+        end = min(time.monotonic() + grace, self.deadline)
+        rt.watchdog.poke()
+        while time.monotonic() < end and not rt.failed_for(self.seq):
+            time.sleep(0.02)
+        if rt.failed_for(self.seq):
+            raise rt.build_error(self.name, self.seq) from error
+        try:
+            state = rt.control.read_states([peer]).get(peer, {})
+        except Exception:  # noqa: BLE001 - naming is best effort
+            state = {}
+        culprit = ctl.culprit_from(
+            peer,
+            what=f"did not complete its side of {self.name}#{self.seq}",
+            info=rt.infos.get(peer, {}),
+            state=state,
+        )
+        self._post_and_raise(
+            RankFailureError,
+            [culprit],
+            f"the transfer with rank {peer} failed ({type(error).__name__}: {error})",
+            cause=error,
+            cls_name="failure",
+        )
+
     def wait_pending(self, p: PendingOp, work: Any) -> None:
         """Wait for the registered op ``p`` (backed by ``work``); see :meth:`wait`.
 

@@ -201,7 +201,7 @@ def recover(
             continue
         try:
             if dec["sync"]:
-                _send_state(rt, dec["source"], snapshot, load, load_here=True)
+                _send_state(rt, dec["source"], snapshot, load)
         except RankFailureError as e:
             # The source (or another member) failed while sending: start over from the
             # generation just formed.
@@ -527,15 +527,22 @@ def _send_state(
     rt: Runtime,
     src: int,
     snapshot: Callable[[], dict[str, Any]],
-    load: Callable[[dict[str, Any]], None] | None,
+    load: Callable[[dict[str, Any]], None] | None = None,
     *,
-    load_here: bool,
+    to: list[int] | None = None,
 ) -> None:
-    from .checkpoint import broadcast_state_dict
+    """``src``'s state to every other rank of the group, loaded there with ``load``
+    (recovery); or, point to point, to the ranks ``to`` only (an admission: the joiners
+    load it at their first step, the members have it)."""
+    from .checkpoint import broadcast_state_dict, send_state_dict
 
     payload = snapshot() if rt.rank == src else None
-    got = broadcast_state_dict(payload, src=src, timeout=rt.config.op_timeout)
-    if rt.rank != src and load_here and load is not None:
+    timeout = rt.config.op_timeout
+    if to is not None:
+        send_state_dict(payload, src, to, timeout=timeout)
+        return
+    got = broadcast_state_dict(payload, src=src, timeout=timeout)
+    if rt.rank != src and load is not None:
         load(got)
 
 
@@ -568,7 +575,7 @@ def maybe_admit(
     error: RankFailureError | None = None
     try:
         _form(rt, el, grow["gen"], grow["members"], list(range(before)))
-        _send_state(rt, 0, snapshot, None, load_here=False)
+        _send_state(rt, 0, snapshot, to=list(range(before, rt.world_size)))
     except RankFailureError as e:
         error = e
     if not _admission_result(rt, grow, grow["members"].index(el.uid), ok=error is None):
@@ -804,9 +811,10 @@ def _admit(
         failed because of this process, ``(None, {}, None)`` when because of a member.
     """
     from . import _runtime
-    from .checkpoint import broadcast_state_dict
+    from .checkpoint import send_state_dict
 
     gen, rank, members = int(adm["gen"]), int(adm["rank"]), list(adm["members"])
+    n_old = len(members) - len(adm["joiners"])
     rt = Runtime(
         rank=rank,
         world_size=len(members),
@@ -822,7 +830,7 @@ def _admit(
     try:
         _runtime.set_current(rt)
         _rebuild(rt, gen, rank, members)
-        state = broadcast_state_dict(None, src=0, timeout=cfg.op_timeout)
+        state = send_state_dict(None, 0, list(range(n_old, len(members))), timeout=cfg.op_timeout)
     except (RankFailureError, ControlPlaneError) as e:
         error = e
     if _admission_result(rt, adm, rank, ok=error is None):
@@ -842,7 +850,6 @@ def _admit(
         gen,
         error or "it failed on another rank",
     )
-    n_old = len(members) - len(adm["joiners"])
     ranks = {c.rank for c in getattr(error, "culprits", [])}
     if error is not None and not (ranks and all(r < n_old for r in ranks)):
         return None, {}, error
