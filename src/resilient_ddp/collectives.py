@@ -291,13 +291,7 @@ class _Op:
         finally:
             if not work.is_completed():
                 rt.stuck.append(work)  # never destructed while pending (see _wait_sliced)
-        grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
-        end = min(time.monotonic() + grace, self.deadline)
-        rt.watchdog.poke()
-        while time.monotonic() < end and not rt.failed_for(self.seq):
-            time.sleep(0.02)
-        if rt.failed_for(self.seq):
-            raise rt.build_error(self.name, self.seq) from error
+        self._raise_watchdog_verdict(error)
         try:
             state = rt.control.read_states([peer]).get(peer, {})
         except Exception:  # noqa: BLE001 - naming is best effort
@@ -418,10 +412,15 @@ class _Op:
         )
         return True
 
-    def _explain_backend_error(self, error: BaseException) -> None:
+    def _raise_watchdog_verdict(self, error: BaseException) -> None:
+        """A backend error (connection reset, closed by peer) usually means a peer died;
+        the watchdog names it within about one heartbeat interval: wait that long (within
+        the budget) and raise its verdict, if it has one.
+
+        Raises:
+            RankFailureError: The watchdog recorded a failure.
+        """
         rt = self.rt
-        # A backend error (connection reset, closed by peer) usually means a peer died; the
-        # watchdog names it within about one heartbeat interval.
         grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
         end = min(time.monotonic() + grace, self.deadline)
         rt.watchdog.poke()
@@ -429,6 +428,10 @@ class _Op:
             time.sleep(0.02)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq) from error
+
+    def _explain_backend_error(self, error: BaseException) -> None:
+        rt = self.rt
+        self._raise_watchdog_verdict(error)
         culprits = rt.diagnose(rt.control, self.name, self.seq)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq) from error

@@ -600,8 +600,10 @@ def maybe_admit(
             error,
         )
         raise _AdmissionError(error, gen_from, before) from error
+    # Never a pending joiner again; any member may be the next to read the requests, so
+    # each marks it.
     for uid in grow["joiners"]:
-        root.set(f"join/done/{uid}", "1")  # never a pending joiner again (see below)
+        root.set(f"join/done/{uid}", "1")
     _publish_members(rt)
     el.join_seen = int(root.add("join/n", 0)) > el.joins_seen
     took = time.monotonic() - t0
