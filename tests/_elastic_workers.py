@@ -216,3 +216,15 @@ def _fault(kind: str) -> None:
         stop_self()
     elif kind == "sleep":
         time.sleep(3600)
+
+
+def torchrun_main() -> None:
+    """Entry point of a rank under real torchrun, and of the replacement the test starts
+    by hand (``RESILIENT_DDP_JOINER=1``): ``train`` with the faults of ``argv[2]`` (JSON);
+    the final stats go to ``<argv[1]>/final_<pid>.json``."""
+    import sys
+
+    out_dir, faults = sys.argv[1], json.loads(sys.argv[2])
+    stats = train(int(os.environ.get("RANK", "-1")), out_dir, faults, 200, {}, 0.01)
+    with open(os.path.join(out_dir, f"final_{os.getpid()}.json"), "w") as f:
+        json.dump(stats, f)

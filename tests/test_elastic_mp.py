@@ -3,7 +3,13 @@ purpose, survivors go on, replacements rejoin, state and data stay consistent.""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter, defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +49,17 @@ def _check_job(
     finals = [o.value for o in outcomes]
     assert {v["world_size"] for v in finals} == {world}, report
     assert len({v["final_hash"] for v in finals}) == 1, report
+    survivor = finals[0]
+    _check_logs(out_dir, faults, world, survivor, report)
+    return survivor  # type: ignore[no-any-return]
+
+
+def _check_logs(
+    out_dir: Path, faults: list[dict[str, Any]], world: int, survivor: dict[str, Any], report: str
+) -> None:
+    """The part of :func:`_check_job` read from the processes' logs and a survivor's final
+    stats: one state per committed step, the world-size history, each shrink's recovery
+    time, exactly-once data per epoch and a falling loss."""
     logs_all = _records(out_dir)
     by_step: dict[int, set[str]] = defaultdict(set)
     logs = [[r for r in log if "hash" in r] for log in logs_all]
@@ -51,7 +68,6 @@ def _check_job(
             by_step[rec["step"]].add(rec["hash"])
     diverged = {s: h for s, h in by_step.items() if len(h) > 1}
     assert not diverged, (diverged, report)
-    survivor = finals[0]
     history = survivor["world_size_history"]
     assert w.faults_seen(survivor) == len(faults), history
     assert history[0][1] == world, history
@@ -84,7 +100,6 @@ def _check_job(
     # Training still converges.
     losses = [loss for _, loss in sorted({(r["step"], r["loss"]) for log in logs for r in log})]
     assert sum(losses[-40:]) < 0.5 * sum(losses[:40])
-    return survivor  # type: ignore[no-any-return]
 
 
 def _run(out_dir: Path, faults: list[dict[str, Any]], epochs: int, seconds: int) -> Any:
@@ -220,3 +235,109 @@ def test_a_minority_does_not_go_on_alone(tmp_path: Path) -> None:
         o = outcomes[r]
         assert o.exc_type == "resilient_ddp.RankFailureError", report
         assert "a minority does not go on alone" in (o.exc_message or ""), report
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid`` (from /proc), children first."""
+    parents: dict[int, list[int]] = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2 :].split()
+        parents[int(fields[1])].append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_trees(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL each process and its descendants (torchrun's workers), and reap them."""
+    for p in procs:
+        for pid in [*_descendants(p.pid), p.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_under_torchrun_a_node_is_lost_and_a_replacement_joins(tmp_path: Path) -> None:
+    """The torchrun recipe of docs/elastic.md: one agent per node (3 here, one worker
+    each) with --max-restarts=0, every worker and the replacement given the same
+    RESILIENT_DDP_STORE (here the store the test hosts, which is also the rendezvous
+    endpoint). The worker of rank 2 dies: its agent ends, the other two train on, and a
+    replacement started by hand (no agent) joins them. At the end the two agents wait in
+    torchrun's exit barrier for the lost agent (up to its 300 s): the test stops them
+    once their workers ended."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{store.port}"
+    faults = [{"uid": 2, "step": 20, "kind": "kill", "full": 3}]
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from tests._elastic_workers import torchrun_main\n"
+        "torchrun_main()\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [str(script), str(out), json.dumps(faults)]
+    env = {**os.environ, "RESILIENT_DDP_STORE": endpoint}
+    agent_cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node",
+        "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf",
+        "is_host=0", "--rdzv-id", "rd-test", "--max-restarts", "0", "--monitor-interval",
+        "0.2", *args,
+    ]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [open(tmp_path / f"agent{i}.log", "wb") for i in range(3)]  # noqa: SIM115
+    deadline = time.monotonic() + 100
+    try:
+        for log in logs:
+            procs.append(subprocess.Popen(agent_cmd, env=env, stdout=log, stderr=log))
+        # The agent whose worker was killed ends first (node ranks follow the rendezvous,
+        # not the start order).
+        failed = None
+        while failed is None and time.monotonic() < deadline:
+            failed = next((p for p in procs if p.poll() is not None), None)
+            time.sleep(0.1)
+        assert failed is not None, "no agent ended"
+        joiner_log = open(tmp_path / "joiner.log", "wb")  # noqa: SIM115
+        logs.append(joiner_log)
+        joiner_env = {**env, "RESILIENT_DDP_JOINER": "1", "RESILIENT_DDP_UID": "3"}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args], env=joiner_env, stdout=joiner_log, stderr=joiner_log
+            )
+        )
+        joiner_code = procs[-1].wait(timeout=max(1.0, deadline - time.monotonic()))
+        while len(list(out.glob("final_*.json"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # Their workers ended; the agents still alive wait in the exit barrier.
+        agent_codes = [p.poll() for p in procs[:3] if p is not failed]
+    finally:
+        _kill_trees(procs)
+        for log in logs:
+            log.close()
+    report = "\n".join(
+        f"--- {f.name}\n{f.read_text(errors='replace')[-4000:]}"
+        for f in sorted(tmp_path.glob("*.log"))
+    )
+    assert failed.returncode != 0, report
+    assert joiner_code == 0, report
+    assert all(c in (None, 0) for c in agent_codes), (agent_codes, report)
+    finals = [json.loads(f.read_text()) for f in sorted(out.glob("final_*.json"))]
+    assert len(finals) == 3, report
+    assert {v["world_size"] for v in finals} == {3}, report
+    assert len({v["final_hash"] for v in finals}) == 1, report
+    member = next(v for v in finals if v["failures"] == 1)
+    assert [h[1] for h in member["world_size_history"]] == [3, 2, 3], member
+    assert [c["rank"] for c in member["events"][0]["culprits"]] == [2], member
+    _check_logs(out, faults, 3, member, report)
