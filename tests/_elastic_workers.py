@@ -228,3 +228,14 @@ def torchrun_main() -> None:
     stats = train(int(os.environ.get("RANK", "-1")), out_dir, faults, 200, {}, 0.01)
     with open(os.path.join(out_dir, f"final_{os.getpid()}.json"), "w") as f:
         json.dump(stats, f)
+
+
+def lone_joiner(rank: int) -> dict[str, Any]:
+    """A joiner (``RESILIENT_DDP_JOINER=1``) on a store where no elastic job runs."""
+    os.environ["RESILIENT_DDP_JOINER"] = "1"
+    t0 = time.monotonic()
+    try:
+        rd.init_process_group("gloo", config=_cfg(init_timeout=timedelta(seconds=2)))
+    except rd.PreflightError as e:
+        return {"type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0}
+    return {"type": None}

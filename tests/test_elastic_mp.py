@@ -237,6 +237,15 @@ def test_a_minority_does_not_go_on_alone(tmp_path: Path) -> None:
         assert "a minority does not go on alone" in (o.exc_message or ""), report
 
 
+def test_a_joiner_with_no_job_on_its_store_says_so_within_its_timeout() -> None:
+    outcomes = run_ranks(w.lone_joiner, 1, timeout=timedelta(seconds=40))
+    v = outcomes[0].value
+    assert v["type"] == "PreflightError", format_outcomes(outcomes)
+    assert "was not admitted within 0:00:02" in v["message"], v
+    assert "RESILIENT_DDP_STORE=<host>:<port>" in v["message"], v
+    assert v["elapsed"] < 4.0, v
+
+
 def _descendants(pid: int) -> list[int]:
     """Every living descendant of ``pid`` (from /proc), children first."""
     parents: dict[int, list[int]] = defaultdict(list)

@@ -740,7 +740,7 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     import torch._dynamo  # noqa: F401
 
     from .errors import PreflightError
-    from .process_group import control_store
+    from .process_group import STORE_ENV, control_store
 
     root = control_store(None)
     uid = (
@@ -766,7 +766,9 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
             raise PreflightError(
                 f"this process (member id {uid}) asked to join the running job but was not "
                 f"admitted within {timeout}: is a job with on_failure='shrink' running on "
-                "this store, and still training?",
+                "this store, and still training? The job's ranks and this process must "
+                f"share one store ({STORE_ENV}=<host>:<port>; under torchrun see the "
+                "recipe in the elastic training docs)",
                 problems=["joiner not admitted"],
             )
         key = f"join/adm/{uid}"
