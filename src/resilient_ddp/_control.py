@@ -113,10 +113,15 @@ class ControlPlane:
     # -- events ------------------------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:
         """Append an event to the log, then bump the counter readers poll."""
-        line = json.dumps(event, separators=(",", ":")) + "\n"
+        self.post_events([event])
+
+    def post_events(self, events: Sequence[dict[str, Any]]) -> None:
+        """Append events to the log in one append (a reader sees all of them or none),
+        then bump the counter readers poll."""
+        lines = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events)
         # Store.append exists on every store torch>=2.3 ships; the stubs omit it.
-        self._call(getattr(self.store, "append"), "ev/log", line)  # noqa: B009
-        self._call(self.store.add, "ev/n", 1)
+        self._call(getattr(self.store, "append"), "ev/log", lines)  # noqa: B009
+        self._call(self.store.add, "ev/n", len(events))
 
     def read_events(self) -> list[dict[str, Any]]:
         if not self._call(self.store.check, ["ev/log"]):

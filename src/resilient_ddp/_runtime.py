@@ -347,6 +347,7 @@ class Runtime:
             )
             err.__cause__ = self.control_plane_error
             return err
+        self._await_host_mates()
         cls, culprits = self.culprits_for(seq)
         first = self.failures[0] if self.failures else None
         head = f"{name}#{seq} on rank {self.rank} (generation {self.generation}) cannot complete"
@@ -363,6 +364,26 @@ class Runtime:
         else:
             message = f"{head}; every rank arrived but the data plane stalled (network?)"
         return cls(message, culprits=culprits, op=name, seq=seq, generation=self.generation)
+
+    def _await_host_mates(self) -> None:
+        """A rank of another host went silent: that host's other ranks usually went with
+        it, and their reports may still be on their way (posted by another rank's
+        watchdog, read at this one's next tick). Wait up to two heartbeat intervals for
+        them, so that the error names the whole host at once."""
+        with self.lock:
+            silent = {int(ev["rank"]) for ev in self.failures if ev["kind"] == ctl.EV_UNRESPONSIVE}
+        hosts = {self.infos.get(r, {}).get("host") for r in silent} - {self.identity["host"]}
+        if not hosts or self.watchdog is None:
+            return
+        mates = {r for r, info in self.infos.items() if info.get("host") in hosts}
+        end = time.monotonic() + 2 * self.config.heartbeat_interval.total_seconds()
+        self.watchdog.poke()
+        while time.monotonic() < end:
+            with self.lock:
+                named = {int(ev["rank"]) for ev in self.failures if "rank" in ev}
+            if mates <= named:
+                return
+            time.sleep(0.02)
 
     # -- reporting ---------------------------------------------------------------------------
     def post(self, event: dict[str, Any]) -> None:

@@ -163,12 +163,17 @@ class Watchdog(threading.Thread):
             for r, t in silence.items()
             if t >= nearly and self.rt.infos.get(r, {}).get("host") in hosts
         }
+        # Posted together, in one append: a peer must never build its error from the first
+        # of a host's ranks before it has read the others.
+        found = []
         for r in sorted(stale):
             what = f"stopped sending heartbeats ({silence[r]:.1f} s without one)"
             if self.rt.is_stopped(r):
                 what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silence[r]:.1f} s"
-            self._report(ctl.EV_UNRESPONSIVE, r, what, states[r])
+            found.append((r, what))
             self._last_change[r] = (int(states[r].get("beat", 0)), float("inf"))  # report once
+        if found:
+            self._report_all(ctl.EV_UNRESPONSIVE, found, states)
 
     def _check_section(self) -> None:
         rt = self.rt
@@ -229,25 +234,36 @@ class Watchdog(threading.Thread):
             self._report(ctl.EV_CRASH, r, f"died (process {info['pid']} is gone)", state)
 
     def _report(self, kind: str, r: int, what: str, state: dict[str, Any] | None) -> None:
-        if not self.control.claim(r):
-            return  # someone else reported it first
-        culprit = ctl.culprit_from(r, what=what, info=self.rt.infos.get(r), state=state)
-        log.warning("rank %d: rank %d %s", self.rt.rank, r, what)
-        self._post(kind, r, culprit)
-        self.poke()
+        self._report_all(kind, [(r, what)], {r: state or {}})
+
+    def _report_all(
+        self, kind: str, found: list[tuple[int, str]], states: dict[int, dict[str, Any]]
+    ) -> None:
+        """Report each ``(rank, what)`` that no one reported first, in one post."""
+        events = []
+        for r, what in found:
+            if not self.control.claim(r):
+                continue  # someone else reported it first
+            culprit = ctl.culprit_from(r, what=what, info=self.rt.infos.get(r), state=states[r])
+            log.warning("rank %d: rank %d %s", self.rt.rank, r, what)
+            events.append(self._event(kind, r, culprit))
+        if events:
+            self.control.post_events(events)
+            self.poke()
+
+    def _event(self, kind: str, rank: int, culprit: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "kind": kind,
+            "rank": rank,
+            "reporter": self.rt.rank,
+            "gen": self.rt.generation,
+            "t": time.time(),
+            "culprit": culprit,
+        }
 
     def _post(self, kind: str, rank: int, culprit: dict[str, Any]) -> None:
         """Post an event about ``rank`` from this thread's own store connection."""
-        self.control.post_event(
-            {
-                "kind": kind,
-                "rank": rank,
-                "reporter": self.rt.rank,
-                "gen": self.rt.generation,
-                "t": time.time(),
-                "culprit": culprit,
-            }
-        )
+        self.control.post_events([self._event(kind, rank, culprit)])
 
     # -- on failure --------------------------------------------------------------------------
     def _on_failure(self) -> None:
