@@ -3,10 +3,8 @@ purpose, survivors go on, replacements rejoin, state and data stay consistent.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ import pytest
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _elastic_workers as w
+from ._procs import kill_named, wait_for
 
 
 def _records(out_dir: Path) -> list[list[dict[str, Any]]]:
@@ -246,33 +245,6 @@ def test_a_joiner_with_no_job_on_its_store_says_so_within_its_timeout() -> None:
     assert v["elapsed"] < 4.0, v
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every living descendant of ``pid`` (from /proc), children first."""
-    parents: dict[int, list[int]] = defaultdict(list)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rfind(")") + 2 :].split()
-        parents[int(fields[1])].append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _kill_trees(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGKILL each process and its descendants (torchrun's workers), and reap them."""
-    for p in procs:
-        for pid in [*_descendants(p.pid), p.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        p.wait()
-
-
 @pytest.mark.slow
 @pytest.mark.torchrun
 def test_under_torchrun_a_node_is_lost_and_a_replacement_joins(tmp_path: Path) -> None:
@@ -313,11 +285,9 @@ def test_under_torchrun_a_node_is_lost_and_a_replacement_joins(tmp_path: Path) -
             procs.append(subprocess.Popen(agent_cmd, env=env, stdout=log, stderr=log))
         # The agent whose worker was killed ends first (node ranks follow the rendezvous,
         # not the start order).
-        failed = None
-        while failed is None and time.monotonic() < deadline:
-            failed = next((p for p in procs if p.poll() is not None), None)
-            time.sleep(0.1)
-        assert failed is not None, "no agent ended"
+        ended = wait_for(lambda: any(p.poll() is not None for p in procs), 100)
+        assert ended, "no agent ended"
+        failed = next(p for p in procs if p.poll() is not None)
         joiner_log = open(tmp_path / "joiner.log", "wb")  # noqa: SIM115
         logs.append(joiner_log)
         joiner_env = {**env, "RESILIENT_DDP_JOINER": "1", "RESILIENT_DDP_UID": "3"}
@@ -327,12 +297,13 @@ def test_under_torchrun_a_node_is_lost_and_a_replacement_joins(tmp_path: Path) -
             )
         )
         joiner_code = procs[-1].wait(timeout=max(1.0, deadline - time.monotonic()))
-        while len(list(out.glob("final_*.json"))) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: len(list(out.glob("final_*.json"))) == 3, deadline - time.monotonic())
         # Their workers ended; the agents still alive wait in the exit barrier.
         agent_codes = [p.poll() for p in procs[:3] if p is not failed]
     finally:
-        _kill_trees(procs)
+        kill_named(tmp_path)  # agents, their workers (sessions of their own), the joiner
+        for p in procs:
+            p.wait()
         for log in logs:
             log.close()
     report = "\n".join(

@@ -9,7 +9,6 @@ two namespaces are used.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from ._procs import kill_named, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.name != "posix"
@@ -101,15 +102,6 @@ def _torchrun(hosts: dict[str, str], side: str, script: Path, out: Path) -> subp
         )
 
 
-def _wait_for(predicate: object, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_cut_link_between_two_hosts_names_the_other_side(
     two_hosts: dict[str, str], tmp_path: Path
 ) -> None:
@@ -129,23 +121,23 @@ def test_cut_link_between_two_hosts_names_the_other_side(
                 out.append(int(p.read_text() or 0) if p.exists() else 0)
             return out
 
-        started = _wait_for(lambda: min(steps()) >= 5, 60)
+        started = wait_for(lambda: min(steps()) >= 5, 60)
         assert started, (steps(), _logs(tmp_path))
         cut = time.time()
         _ip("-n", two_hosts["a_ns"], "link", "set", two_hosts["a_if"], "down")
-        done = _wait_for(lambda: all((tmp_path / f"result{r}.json").exists() for r in range(4)), 30)
+        done = wait_for(lambda: all((tmp_path / f"result{r}.json").exists() for r in range(4)), 30)
         assert done, _logs(tmp_path)
         results = {r: json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(4)}
         # Nothing hangs: every rank's process ends by itself after its error (its agent,
         # torch's, may still be busy with the lost rendezvous; it is killed below).
         pids = [res["pid"] for res in results.values()]
-        assert _wait_for(lambda: all(_ended(pid) for pid in pids), 15), (pids, _logs(tmp_path))
+        assert wait_for(lambda: all(_ended(pid) for pid in pids), 15), (pids, _logs(tmp_path))
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
-        _kill_workers(tmp_path)  # torchrun's workers run in sessions of their own
+        kill_named(tmp_path)  # torchrun's workers run in sessions of their own
     other = {0: [2, 3], 1: [2, 3], 2: [0, 1], 3: [0, 1]}
     for r, res in results.items():
         assert res["host"] == ("node-a" if r < 2 else "node-b")
@@ -155,20 +147,6 @@ def test_cut_link_between_two_hosts_names_the_other_side(
         assert sorted(res["ranks"]) == other[r], (r, res["message"])
         assert res["raised_at"] - cut < BOUND_S, (r, res["raised_at"] - cut, res["message"])
         assert set(res["hosts"]) == {"node-b" if r < 2 else "node-a"}, res
-
-
-def _kill_workers(out: Path) -> None:
-    """SIGKILL every process whose command line names ``out`` (the test's workers)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(out) in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def _ended(pid: int) -> bool:
