@@ -704,6 +704,10 @@ def _excepthook(
     rt = _runtime
     if rt is not None and not issubclass(exc_type, KeyboardInterrupt):
         rt.report_exception(exc, tb)
+    if rt is not None:
+        from ._torchelastic import record_error_file
+
+        record_error_file(exc)  # torchrun's root-cause summary shows what this rank saw
     assert _prev_excepthook is not None
     _prev_excepthook(exc_type, exc, tb)
     if rt is not None and (rt.stuck or rt.failures):

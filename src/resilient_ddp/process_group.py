@@ -121,6 +121,8 @@ def init_process_group(
         if device_id is not None:
             kwargs["device_id"] = device_id
         dist.init_process_group(backend, **kwargs)
+        attach(cfg, store=store, owned=True)
+        return
     attach(cfg, store=store)
 
 
@@ -153,6 +155,7 @@ def attach(
     config: ResilienceConfig | None = None,
     *,
     store: dist.Store | None = None,
+    owned: bool = False,
 ) -> Runtime:
     """Start failure detection on top of torch's existing default process group.
 
@@ -176,6 +179,11 @@ def attach(
         config=cfg,
     )
     _join_control_plane(rt)
+    from ._torchelastic import plain_init_restart_hint
+
+    hint = None if owned else plain_init_restart_hint()
+    if hint is not None:
+        log.warning("rank %d: %s", rt.rank, hint)
     elastic_setup(rt)
     _runtime.set_current(rt)
     _runtime.install_hooks()
