@@ -43,7 +43,7 @@ def abort_group(group: dist.ProcessGroup | None = None) -> None:
     """Abort ``group``'s communicators so that ops blocked on a dead peer return.
 
     With NCCL this is what releases kernels spinning on a dead peer; with gloo it returns at
-    once but cannot interrupt an op already blocked (FINDINGS.md), so the library never
+    once but cannot interrupt an op already blocked, so the library never
     relies on it there.
     """
     pg = group if group is not None else dist.group.WORLD
@@ -62,14 +62,19 @@ def abort_group(group: dist.ProcessGroup | None = None) -> None:
         log.debug("abort of process group failed", exc_info=True)
 
 
-def default_pg_timeout(op_budget: timedelta, heartbeat_timeout: timedelta) -> timedelta:
-    """The backend timeout for groups the library creates.
+def default_pg_timeout(backend: str | None) -> timedelta:
+    """torch's own default backend timeout for ``backend``: 10 minutes for NCCL, 30 for
+    the others (gloo), as ``torch.distributed.init_process_group`` would pick.
 
-    Our own deadlines fire first and raise typed errors; the backend's must come soon after,
-    because a gloo op still pending on a stopped peer keeps ``destroy_process_group()`` and
-    interpreter exit blocked until it times out (30 minutes by torch's default).
+    The library's collectives have their own deadlines; this one bounds only the plain
+    ``torch.distributed`` calls, which must not fail sooner than without the library.
     """
-    return op_budget + heartbeat_timeout + timedelta(seconds=30)
+    c10d = dist.distributed_c10d
+    nccl = (backend or "").lower() == "nccl" or (backend is None and torch.cuda.is_available())
+    default = getattr(c10d, "default_pg_timeout", timedelta(minutes=30))
+    if nccl:
+        return getattr(c10d, "default_pg_nccl_timeout", None) or timedelta(minutes=10)
+    return default if isinstance(default, timedelta) else timedelta(minutes=30)
 
 
 def forget_failed_init() -> None:

@@ -225,6 +225,53 @@ def same_process_alive(pid: int, start_time: int | None) -> bool:
     return process_start_time(pid) == start_time
 
 
+def store_port(store: dist.Store) -> int | None:
+    """The TCP port of the TCPStore under ``store``'s prefixes, or None for another store."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 32:  # noqa: PLR2004 - a loop guard
+        store = store.underlying_store
+        seen += 1
+    port = getattr(store, "port", None) if isinstance(store, dist.TCPStore) else None
+    return int(port) if port else None
+
+
+_INODE = 9  # column of the socket's inode in /proc/net/tcp
+
+
+def serves_port(port: int) -> bool:
+    """Whether this process holds a socket listening on TCP ``port`` (Linux; False when it
+    cannot tell). It tells which process hosts a TCPStore: rank 0 under ``env://`` or
+    ``mp.spawn``, not under torchrun or :func:`resilient_ddp.spawn`."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            # local_address is HEXIP:HEXPORT; state 0A is LISTEN; then the inode.
+            fields = row.split()
+            if len(fields) <= _INODE or fields[3] != "0A":
+                continue
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[_INODE])
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
 def my_identity(rank: int) -> dict[str, Any]:
     pid = os.getpid()
     return {

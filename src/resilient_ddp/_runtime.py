@@ -9,9 +9,11 @@ publishes them and feeds failure reports back through :meth:`Runtime.record_even
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -48,6 +50,14 @@ _THREADING_FILE = os.path.abspath(threading.__file__)
 _MULTIPROCESSING_DIR = os.path.dirname(os.path.abspath(multiprocessing.__file__))
 # Errors a rank raises because of someone else: reporting them would name the wrong culprit.
 _SECONDARY = (RankFailureError, CollectiveMismatchError, ControlPlaneError)
+
+# Exit code of a rank whose peers gave up on it while its main thread was stuck where no
+# exception can reach it (C code): it cannot raise, so it exits with this code instead.
+# 75 is EX_TEMPFAIL of sysexits.h: a failure that a restart may cure.
+UNRESPONSIVE_EXIT_CODE = 75
+# Sent by the watchdog to the main thread to make it raise the peers' verdict: a real-time
+# signal, because SIGUSR1/SIGUSR2 are taken by schedulers' conventions (SLURM, Lightning).
+TELL_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 
 
 class PendingOp:
@@ -142,6 +152,11 @@ class Runtime:
         self.control_root = control_root
         self.control = ctl.ControlPlane(control_root, generation)
         self.identity = ctl.my_identity(rank)
+        # Whether this process hosts the store (rank 0 under env:// or mp.spawn): its exit
+        # would take the control plane away from the peers still reading the verdict.
+        port = ctl.store_port(control_root)
+        self.hosts_store = port is not None and ctl.serves_port(port)
+        self.identity["hosts_store"] = self.hosts_store
         self.infos: dict[int, dict[str, Any]] = {}
         self.main_thread_ident = threading.main_thread().ident
         # Healthy-path state, written by the main thread, read by the watchdog.
@@ -162,7 +177,9 @@ class Runtime:
         self.local_forward = 0  # > 0: ResilientDDP forwards skip DDP's sync (inference)
         self.thread_errors: list[str] = []
         # Failure state.
-        self.lock = threading.Lock()
+        # Reentrant: a signal handler (SIGTERM, the peers' verdict) runs in the main thread
+        # and may interrupt it while it holds the lock.
+        self.lock = threading.RLock()
         self.pending: set[PendingOp] = set()
         self.failures: list[dict[str, Any]] = []
         self.left: dict[int, dict[str, Any]] = {}
@@ -174,6 +191,11 @@ class Runtime:
         self.mismatches = 0
         self.last_straggler_report: dict[str, Any] = {}
         self.raised = False  # this rank raised a failure error: its departure is a consequence
+        # The peers' verdict on this rank, raised in its main thread (see tell_main).
+        self.told_error: RankFailureError | None = None
+        self.told_at = 0.0  # time.monotonic() when the main thread was signalled
+        self.told_delivered = False
+        self.lingering = False  # the store host waits for its peers before exiting
         self.watchdog: Any = None
         self.elastic: Any = None  # elastic.Elastic with on_failure="shrink"
         # time.monotonic() of the watchdog's last completed tick (0: no watchdog yet); a
@@ -182,6 +204,9 @@ class Runtime:
         self.stall_s = (
             config.heartbeat_timeout.total_seconds() + 2 * config.heartbeat_interval.total_seconds()
         )
+        # The backend timeout the default group was created with (None: torch's default);
+        # a rebuilt generation gets it back after its short rendezvous timeout.
+        self.backend_timeout: timedelta | None = None
 
     # -- healthy path ------------------------------------------------------------------------
     def begin_op(self, name: str) -> int:
@@ -284,6 +309,170 @@ class Runtime:
             for p in pending:
                 if self.failed_for(p.seq):
                     self._fail_pending(p)
+        for ev in events:
+            verdict = self._verdict_on_me(ev)
+            if verdict is not None:
+                self.tell_main(verdict)
+                break
+
+    # -- the rank the peers gave up on --------------------------------------------------------
+    def _verdict_on_me(self, ev: dict[str, Any]) -> RankFailureError | None:
+        """The error this rank must raise because of ``ev``, a peer's verdict that names
+        it (its timeout blamed this rank, or it declared this rank dead), or None."""
+        kind, me = ev.get("kind"), self.rank
+        if ev.get("reporter") == me or ev.get("secondary"):
+            return None
+        mine: dict[str, Any] | None = None
+        if kind == ctl.EV_TIMEOUT:
+            mine = next((c for c in ev.get("culprits", []) if c.get("rank") == me), None)
+        elif kind in (ctl.EV_UNRESPONSIVE, ctl.EV_SECTION) and ev.get("rank") == me:
+            mine = ev.get("culprit")
+        if mine is None:
+            return None
+        culprit = ctl.to_culprit(
+            {**mine, "step": self.step, "phase": self.phase, "section": self.section}
+        )
+        where = f"[step {self.step}, phase {self.phase!r}]" if self.step >= 0 else ""
+        if kind == ctl.EV_TIMEOUT:
+            waited = float(ev.get("waited", 0.0))
+            message = (
+                f"rank {me} (host {self.identity['host']}) is stuck: rank {ev['reporter']} gave "
+                f"up on {ev.get('op')}#{ev.get('seq')} after {waited:.1f} s waiting for it "
+                f"({mine.get('what', '?')}), and every peer raised. Raised here, in the main "
+                f"thread, from wherever it was {where}."
+            )
+            return CollectiveTimeoutError(
+                message,
+                culprits=[culprit],
+                op=str(ev.get("op", "")),
+                seq=int(ev.get("seq", -1)),
+                generation=self.generation,
+            )
+        what = mine.get("what", "stopped responding")
+        message = (
+            f"rank {me} (host {self.identity['host']}): rank {ev['reporter']} reported that it "
+            f"{what}, and every peer raised. Raised here, in the main thread {where}."
+        )
+        cls = CollectiveTimeoutError if kind == ctl.EV_SECTION else RankFailureError
+        return cls(message, culprits=[culprit], generation=self.generation)
+
+    def tell_main(self, error: RankFailureError) -> None:
+        """Make the main thread raise ``error`` (the peers gave up on this rank) from
+        wherever it is: a signal interrupts a sleep or a blocking read, and its handler
+        raises. An op in flight raises by itself; elastic training (``on_failure="shrink"``)
+        handles the rank through its own recovery.
+
+        If the main thread does not raise within :meth:`tell_grace`, the watchdog ends the
+        process (see :meth:`check_told`).
+        """
+        if self.told_error is not None or self.elastic is not None or self.in_op:
+            return
+        if not _tell_installed or TELL_SIGNAL is None or self.main_thread_ident is None:
+            return
+        self.told_error = error
+        self.told_at = time.monotonic()
+        log.error("rank %d: %s", self.rank, error)
+        signal.pthread_kill(self.main_thread_ident, TELL_SIGNAL)
+
+    def tell_grace(self) -> float:
+        """Seconds the main thread gets to raise the verdict before the process ends."""
+        return 2.0 + 2 * self.config.heartbeat_interval.total_seconds()
+
+    def check_told(self) -> None:
+        """Called by the watchdog each tick: end the process if the main thread was told
+        and did not raise (stuck in C code, where no exception reaches it)."""
+        if self.told_error is None or self.told_delivered:
+            return
+        if time.monotonic() - self.told_at < self.tell_grace():
+            return
+        stack = self.main_stack()
+        log.critical(
+            "rank %d: the peers gave up on this rank and its main thread did not respond "
+            "within %.1f s (stuck in C code?); exiting with code %d. Main thread:\n%s",
+            self.rank,
+            self.tell_grace(),
+            UNRESPONSIVE_EXIT_CODE,
+            stack,
+        )
+        self.status = "failed"
+        with contextlib.suppress(ControlPlaneError):
+            self.control.publish_state(self.rank, self.snapshot(-1))
+        self.linger()
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(UNRESPONSIVE_EXIT_CODE)
+
+    # -- the store host's exit -----------------------------------------------------------------
+    def linger(self) -> None:
+        """If this process hosts the store, keep it serving until every peer is done with
+        it: left or failed, its process gone, or stopped; at most ``heartbeat_timeout``.
+
+        A rank that hosts the store and exits first (it raised first, or finished first)
+        would otherwise take the control plane away from peers still reading the verdict:
+        they would report a lost store instead of the culprit. A healthy end costs only
+        the time until the last peer leaves.
+        """
+        if not self.hosts_store or self.world_size < 2:  # noqa: PLR2004 - alone: no peer
+            return
+        self.lingering = True
+        try:
+            self._linger()
+        finally:
+            self.lingering = False
+
+    def _linger(self) -> None:
+        start = time.monotonic()
+        end = start + self.config.heartbeat_timeout.total_seconds()
+        waiting = [r for r in range(self.world_size) if r != self.rank]
+        control = ctl.ControlPlane(self.control_root, self.generation)
+        control.set_timeout(timedelta(seconds=2))
+        while waiting and time.monotonic() < end:
+            try:
+                states = control.read_states(waiting)
+            except ControlPlaneError:
+                return  # the server itself failed: nothing to keep serving
+            waiting = [r for r in waiting if not self._done_with_store(r, states.get(r, {}))]
+            if waiting:
+                time.sleep(0.05)
+        waited = time.monotonic() - start
+        if waiting:
+            log.warning(
+                "rank %d: hosts the store and exits after %.1f s although rank(s) %s are still "
+                "running: they lose the control plane",
+                self.rank,
+                waited,
+                waiting,
+            )
+        elif waited > 1.0:
+            log.info("rank %d: kept the store up %.1f s for the peers", self.rank, waited)
+
+    def _done_with_store(self, rank: int, state: dict[str, Any]) -> bool:
+        if state.get("status") in ("left", "failed"):
+            return True
+        with self.lock:
+            dead = any(
+                ev.get("rank") == rank and ev["kind"] in (ctl.EV_CRASH, ctl.EV_UNRESPONSIVE)
+                for ev in self.failures
+            )
+        if dead:
+            return True
+        info = self.infos.get(rank, {})
+        if self.is_local(rank):
+            pid = int(info.get("pid", 0))
+            if not ctl.same_process_alive(pid, info.get("start")) or self.is_stopped(rank):
+                return True
+        return False
+
+    def await_verdict(self, seconds: float) -> bool:
+        """Wait (at most ``seconds``) until a failure is known, the watchdog ticking at
+        once; whether one is."""
+        end = time.monotonic() + seconds
+        while not (self.failures or self.left or self.control_plane_error):
+            if time.monotonic() >= end or self.watchdog is None:
+                break
+            self.watchdog.poke()
+            time.sleep(0.02)
+        return bool(self.failures or self.left or self.control_plane_error)
 
     def on_control_plane_lost(self, error: ControlPlaneError) -> None:
         with self.lock:
@@ -327,15 +516,20 @@ class Runtime:
         self.raised = True
         arm_exit_guard()
 
-    def build_error(self, name: str, seq: int) -> RankFailureError:
+    def build_error(self, name: str, seq: int, *, head: str | None = None) -> RankFailureError:
         """The typed error explaining why op ``seq`` cannot complete (marks this rank as
-        failed by consequence, so that its later departure names no one)."""
+        failed by consequence, so that its later departure names no one). ``head`` replaces
+        the first words of the message (which say what could not complete)."""
         self.mark_raised()
         if self.control_plane_error is not None and not self.failures:
             # Fatal: nothing can be coordinated any more. The ranks on other hosts are cut off
             # from this one as well (the store is on one of them, or the network is down).
             far = self.unreachable_ranks()
             named = f"; unreachable rank(s) on other hosts: {[c.rank for c in far]}" if far else ""
+            host = self.store_host_culprit()
+            if host is not None:
+                far = [host, *[c for c in far if c.rank != host.rank]]
+                named = f"; rank {host.rank} hosted the store and {host.what}" + named
             err = ControlPlaneError(
                 f"{name}#{seq} on rank {self.rank} (host {self.identity['host']}) cannot "
                 f"complete: {self.control_plane_error}{named}"
@@ -350,7 +544,10 @@ class Runtime:
         self._await_host_mates()
         cls, culprits = self.culprits_for(seq)
         first = self.failures[0] if self.failures else None
-        head = f"{name}#{seq} on rank {self.rank} (generation {self.generation}) cannot complete"
+        if head is None:
+            head = (
+                f"{name}#{seq} on rank {self.rank} (generation {self.generation}) cannot complete"
+            )
         if first is not None and first["kind"] == ctl.EV_TIMEOUT and first["reporter"] != self.rank:
             verb = "timed out" if first.get("cls", "timeout") == "timeout" else "failed"
             head += (
@@ -604,6 +801,22 @@ class Runtime:
         pid = int(self.infos.get(rank, {}).get("pid", 0))
         return self.is_local(rank) and ctl.process_state(pid) == "T"
 
+    def store_host_culprit(self) -> Culprit | None:
+        """With the control plane lost: the rank that hosted the store, if one did, and
+        what became of it as far as this host can see."""
+        for r, info in sorted(self.infos.items()):
+            if r == self.rank or not info.get("hosts_store"):
+                continue
+            pid = int(info.get("pid", 0))
+            if self.is_local(r) and not ctl.same_process_alive(pid, info.get("start")):
+                what = f"died (process {pid} is gone)"
+            elif self.is_stopped(r):
+                what = "is stopped (SIGSTOP or a debugger)"
+            else:
+                what = "stopped answering"
+            return Culprit(rank=r, host=str(info.get("host", "?")), pid=pid, what=what)
+        return None
+
     def unreachable_ranks(self) -> list[Culprit]:
         """With the control plane lost: the ranks on other hosts than this one, as culprits
         (from the identities read at start-up)."""
@@ -803,23 +1016,108 @@ def arm_exit_guard() -> None:
     atexit.register(_exit_guard)
 
 
+_tell_installed = False
+_prev_signal_handlers: dict[int, Any] = {}
+_prev_exit: Callable[..., Any] | None = None
+
+
+def _on_tell(signum: int, frame: FrameType | None) -> None:
+    """Raise the peers' verdict on this rank in the main thread (see Runtime.tell_main)."""
+    rt = _runtime
+    if rt is None or rt.told_error is None or rt.told_delivered:
+        return
+    rt.told_delivered = True
+    rt.mark_raised()
+    raise rt.told_error
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """A launcher ends the job (``mp.spawn`` and torchrun send SIGTERM to the others as
+    soon as one rank fails): raise the failure this rank knows of, naming the culprit,
+    instead of dying silently. Without a known failure, die by the signal as before."""
+    rt = _runtime
+    if rt is not None and rt.lingering:
+        return  # the store host serves the verdict to the last peers (bounded), then exits
+    if rt is not None and rt.told_error is not None and not rt.told_delivered:
+        rt.told_delivered = True
+        raise rt.told_error
+    # The watchdog learns of a death within a tick; let it tick now.
+    grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5 if rt is not None else 0.0
+    if rt is not None and rt.status == "running" and not rt.raised and rt.await_verdict(grace):
+        name = signal.Signals(signum).name
+        head = (
+            f"rank {rt.rank} (host {rt.identity['host']}) was ended by {name} from its "
+            f"launcher (in {rt.op or 'no collective'}, step {rt.step})"
+        )
+        raise rt.build_error(rt.op or "(no op)", max(rt.op_seq, 0), head=head)
+    signal.signal(signum, _prev_signal_handlers.get(signum, signal.SIG_DFL))
+    os.kill(os.getpid(), signum)
+
+
+def _exit_reporting(code: str | int | None = None) -> NoReturn:
+    """``sys.exit`` while the library is attached: a non-zero exit from inside an
+    ``except`` block (``torch.multiprocessing.spawn`` does this with the rank's exception,
+    and so do many scripts) reports that exception to the peers, as an uncaught one is."""
+    rt = _runtime
+    exc = sys.exc_info()[1]
+    if (
+        rt is not None
+        and exc is not None
+        and _normalise_code(code) != 0
+        and not isinstance(exc, (SystemExit, KeyboardInterrupt))
+    ):
+        rt.report_exception(exc)
+        from ._torchelastic import record_error_file
+
+        record_error_file(exc)
+    assert _prev_exit is not None
+    _prev_exit(code)
+    raise SystemExit(code)  # pragma: no cover - _prev_exit raised already
+
+
+def _install_signal(signum: int, handler: Callable[[int, FrameType | None], None]) -> bool:
+    """Install ``handler`` for ``signum`` unless the program has its own; True if done."""
+    current = signal.getsignal(signum)
+    if current not in (signal.SIG_DFL, None):
+        return False
+    _prev_signal_handlers[signum] = current
+    signal.signal(signum, handler)
+    return True
+
+
 def install_hooks() -> None:
-    global _hooks_installed, _prev_excepthook, _prev_thread_hook
+    """Hook uncaught exceptions, ``sys.exit`` and, in the main thread, SIGTERM and the
+    verdict signal, so that every way this rank ends tells the peers, and every way the
+    peers end tells this rank."""
+    global _hooks_installed, _prev_excepthook, _prev_thread_hook, _tell_installed, _prev_exit
     if _hooks_installed:
         return
     _prev_excepthook, sys.excepthook = sys.excepthook, _excepthook
     _prev_thread_hook, threading.excepthook = threading.excepthook, _thread_hook
+    _prev_exit, sys.exit = sys.exit, _exit_reporting
+    if threading.current_thread() is threading.main_thread():
+        _install_signal(signal.SIGTERM, _on_sigterm)
+        if TELL_SIGNAL is not None:
+            _tell_installed = _install_signal(TELL_SIGNAL, _on_tell)
     _hooks_installed = True
 
 
 def uninstall_hooks() -> None:
-    global _hooks_installed
+    global _hooks_installed, _tell_installed
     if not _hooks_installed:
         return
     if sys.excepthook is _excepthook and _prev_excepthook is not None:
         sys.excepthook = _prev_excepthook
     if threading.excepthook is _thread_hook and _prev_thread_hook is not None:
         threading.excepthook = _prev_thread_hook
+    if sys.exit is _exit_reporting and _prev_exit is not None:
+        sys.exit = _prev_exit
+    if threading.current_thread() is threading.main_thread():
+        for signum, handler in list(_prev_signal_handlers.items()):
+            if signal.getsignal(signum) in (_on_sigterm, _on_tell):
+                signal.signal(signum, handler)
+            del _prev_signal_handlers[signum]
+        _tell_installed = False
     _hooks_installed = False
 
 

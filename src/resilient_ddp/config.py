@@ -1,7 +1,19 @@
 """Configuration: one frozen :class:`ResilienceConfig` holds every budget and policy.
 
-Durations are :class:`datetime.timedelta` (fractional seconds are kept). The environment is
-read only by :meth:`ResilienceConfig.from_env`, never implicitly.
+Durations are :class:`datetime.timedelta` (fractional seconds are kept).
+
+Where a value comes from, first match wins, field by field:
+
+1. arguments in code: the fields given to a :class:`ResilienceConfig` passed to
+   ``init_process_group(config=...)``, ``ResilientDDP(resilience=...)`` or
+   :func:`set_config`;
+2. the environment: ``RESILIENT_DDP_<FIELD>`` variables (see :meth:`ResilienceConfig.from_env`),
+   so that whoever launches the job (a SLURM script, a torchrun command line, a Kubernetes
+   spec) can set budgets without touching the code;
+3. the defaults.
+
+The environment is read by :func:`resolve` (and so by :func:`get_config`) when the library
+starts up a rank, never at import.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-__all__ = ["ResilienceConfig", "RetryPolicy", "get_config", "set_config"]
+__all__ = ["ResilienceConfig", "RetryPolicy", "get_config", "resolve", "set_config"]
 
 _ENV_PREFIX = "RESILIENT_DDP_"
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|min|h)?\s*$")
@@ -191,6 +203,16 @@ class ResilienceConfig(_Model):
                 retry[target[len("retry.") :]] = value
             else:
                 values[target] = value
+        given_retry = overrides.get("retry")
+        if retry and isinstance(given_retry, RetryPolicy):
+            # Field by field here too: what the code set wins, the environment fills in.
+            overrides = {
+                **overrides,
+                "retry": {
+                    **retry,
+                    **{k: getattr(given_retry, k) for k in given_retry.model_fields_set},
+                },
+            }
         if retry:
             values["retry"] = retry
         values.update(overrides)
@@ -267,14 +289,47 @@ _process_config: ResilienceConfig | None = None
 
 
 def set_config(config: ResilienceConfig | None) -> None:
-    """Set the process-wide default config (``None`` restores the built-in defaults)."""
+    """Set the process-wide default config (``None`` restores the built-in defaults).
+
+    The fields given to ``config`` in code take precedence over ``RESILIENT_DDP_*``
+    variables; the others still come from the environment (see :func:`resolve`).
+    """
     global _process_config
     _process_config = config
 
 
 def get_config() -> ResilienceConfig:
-    """Return the process-wide default config."""
-    return _process_config if _process_config is not None else _DEFAULT
+    """Return the process-wide config: :func:`set_config`'s, completed from the environment.
+
+    Raises:
+        ConfigError: A ``RESILIENT_DDP_*`` variable is unknown or its value is invalid.
+    """
+    return resolve(_process_config)
+
+
+def resolve(
+    config: ResilienceConfig | None, environ: Mapping[str, str] | None = None
+) -> ResilienceConfig:
+    """The config a rank runs under: the fields set in ``config`` (in code) first, then
+    ``RESILIENT_DDP_*`` variables, then the defaults.
+
+    A field counts as set in code when it was passed to the constructor (pydantic's
+    ``model_fields_set``), even if its value equals the default.
+
+    Args:
+        config: The config given in code, or ``None``.
+        environ: Mapping to read instead of ``os.environ``.
+
+    Raises:
+        ConfigError: A ``RESILIENT_DDP_*`` variable is unknown (a likely typo) or invalid,
+            or the combination is invalid (e.g. the environment's ``heartbeat_interval`` is
+            not shorter than the code's ``heartbeat_timeout``).
+    """
+    env = os.environ if environ is None else environ
+    if not any(key.startswith(_ENV_PREFIX) for key in env):
+        return config if config is not None else _DEFAULT  # the common case: nothing to merge
+    given = {} if config is None else {k: getattr(config, k) for k in config.model_fields_set}
+    return ResilienceConfig.from_env(env, **given)
 
 
 _DEFAULT = ResilienceConfig()

@@ -100,7 +100,7 @@ def rebuild(
     world_size = rt.world_size if world_size is None else world_size
     backend = rt.backend
     if dist.is_initialized():
-        # An aborted gloo group must be abandoned, never reused (FINDINGS); abort first so
+        # An aborted gloo group must be abandoned, never reused; abort first so
         # that destroy does not wait on the stale op.
         abort_group()
         from .process_group import _abandoned
@@ -131,7 +131,7 @@ def rebuild(
     # Later ops must not inherit the short rendezvous timeout.
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is not None:
-        set_timeout(default_pg_timeout(rt.config.effective_op_budget, rt.config.heartbeat_timeout))
+        set_timeout(rt.backend_timeout or default_pg_timeout(backend))
     rt.rank, rt.world_size = rank, world_size
     rt.identity["rank"] = rank
     rt.generation = generation

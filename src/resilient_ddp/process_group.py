@@ -15,7 +15,7 @@ from . import _control as ctl
 from . import _runtime
 from ._backend import abort_group, backend_name, default_pg_timeout
 from ._runtime import Runtime
-from .config import ResilienceConfig, get_config
+from .config import ResilienceConfig, get_config, resolve
 from .elastic import JOINER_ENV, join
 from .elastic import leave as elastic_leave
 from .elastic import setup as elastic_setup
@@ -48,8 +48,8 @@ def init_process_group(
     default group already exists (the user called ``torch.distributed.init_process_group``),
     this attaches to it and to its store instead of creating another.
 
-    Every rank must call it. It blocks until every rank has attached, at most
-    ``config.init_timeout``.
+    Every rank must call it. It blocks until every rank has attached, at most ``timeout``
+    (default ``config.init_timeout``).
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (torch's default: gloo for CPU tensors,
@@ -59,19 +59,26 @@ def init_process_group(
         world_size: Number of ranks (default: from the environment).
         store: A c10d store to rendezvous through instead of ``init_method``. It must outlive
             every rank (host it in the launching process, as :func:`spawn` does).
-        timeout: The backend's own timeout. Defaults to the op budget plus the heartbeat
-            timeout plus 30 s rather than torch's 30 minutes, so that a process whose op is
-            stuck on a stopped peer can still exit soon after our error.
-        config: Budgets and policies (default: the process-wide config).
+        timeout: As in torch: bounds the rendezvous (start-up, instead of
+            ``config.init_timeout``) and is the backend's own timeout for every operation
+            on the group, also the plain ``torch.distributed`` calls a framework makes.
+            Default: torch's (30 minutes for gloo, 10 for NCCL), so that plain calls behave
+            as without resilient_ddp; the library's own collectives are bounded by
+            ``config.op_timeout`` whatever this is.
+        config: Budgets and policies. The fields given in code win; the others come from
+            ``RESILIENT_DDP_*`` environment variables, then the defaults (see
+            :func:`resilient_ddp.config.resolve`). Default: the process-wide config.
         device_id: Passed to torch (binds NCCL communicators to a device).
 
     With the ``env://`` rendezvous (the default), start-up is checked first, within
-    ``config.init_timeout`` (see :mod:`resilient_ddp.preflight`): the variables, the store
-    (transient connection failures are retried), and every rank's versions, devices and
-    free memory. Every problem found is reported at once, on every rank that is up.
+    ``timeout`` or ``config.init_timeout`` (see :mod:`resilient_ddp.preflight`): the
+    variables, the store (transient connection failures are retried), and every rank's
+    versions, devices and free memory. Every problem found is reported at once, on every
+    rank that is up.
 
     Raises:
-        ConfigError: Already initialised through resilient_ddp.
+        ConfigError: Already initialised through resilient_ddp, or a ``RESILIENT_DDP_*``
+            variable is unknown or invalid.
         PreflightError: The environment is unusable, the store cannot be reached or hosted
             (port in use), ranks did not arrive, or ranks disagree (versions, devices); or
             some rank did not attach within ``config.init_timeout``. For a joiner
@@ -82,7 +89,12 @@ def init_process_group(
     """
     if _runtime.current() is not None:
         raise ConfigError("resilient_ddp is already initialised in this process.")
-    cfg = config if config is not None else get_config()
+    cfg = resolve(config) if config is not None else get_config()
+    if timeout is not None:
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise ConfigError(f"The timeout ({timeout!r}) must be a positive timedelta.")
+        # As in torch, ``timeout`` bounds the rendezvous.
+        cfg = cfg.model_copy(update={"init_timeout": timeout})
     if os.environ.get(JOINER_ENV, "") not in ("", "0") and not dist.is_initialized():
         # A replacement for a failed rank: it joins the running job at a step boundary.
         rt, _ = join(backend, cfg, cfg.init_timeout)
@@ -90,11 +102,11 @@ def init_process_group(
         _runtime.install_hooks()
         return
     if not dist.is_initialized():
-        pg_timeout = (
-            timeout
-            if timeout is not None
-            else default_pg_timeout(cfg.effective_op_budget, cfg.heartbeat_timeout)
-        )
+        # The backend's timeout is torch's unless the caller gives one: plain calls (a
+        # framework's barrier while rank 0 saves a checkpoint) must not fail sooner than
+        # they would without us. Our ops have their own deadlines, and a process whose op
+        # is stuck in the backend ends through the exit guard, not the backend's timeout.
+        pg_timeout = timeout if timeout is not None else default_pg_timeout(backend)
         kwargs: dict[str, Any] = {"timeout": pg_timeout}
         if store is None and init_method in (None, "env://"):
             # Our own env:// rendezvous: checked, retried and bounded by init_timeout.
@@ -121,7 +133,7 @@ def init_process_group(
         if device_id is not None:
             kwargs["device_id"] = device_id
         dist.init_process_group(backend, **kwargs)
-        attach(cfg, store=store, owned=True)
+        attach(cfg, store=store, owned=True).backend_timeout = pg_timeout
         return
     attach(cfg, store=store)
 
@@ -170,7 +182,7 @@ def attach(
             "No process group: call resilient_ddp.init_process_group() (or "
             "torch.distributed.init_process_group()) on every rank first."
         )
-    cfg = config if config is not None else get_config()
+    cfg = resolve(config) if config is not None else get_config()
     rt = Runtime(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -259,6 +271,7 @@ def _detach(rt: Runtime) -> None:
     rt.report_left()
     if rt.watchdog is not None:
         rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
+    rt.linger()  # the store host keeps serving until the peers are done with it
     _runtime.set_current(None)
     _runtime.uninstall_hooks()
 

@@ -129,6 +129,7 @@ class Watchdog(threading.Thread):
             if joins > rt.elastic.joins_seen:
                 rt.elastic.join_seen = True
         self._check_heartbeats(states)
+        rt.check_told()
         self._check_local_processes()
         self._check_section()
         if rt.rank == 0 and time.monotonic() >= self._next_straggler_check:
@@ -269,7 +270,7 @@ class Watchdog(threading.Thread):
     def _on_failure(self) -> None:
         # With NCCL, kernels waiting on a dead peer never finish by themselves: abort the
         # communicator. Gloo's abort cannot interrupt a blocked op and leaves the group
-        # unusable, so it is left to time out (FINDINGS: waiting ops are failed through our
+        # unusable, so it is left to time out (waiting ops are failed through our
         # futures instead).
         if self.rt.backend == "nccl":
             self._abort_backend()
