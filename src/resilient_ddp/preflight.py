@@ -140,6 +140,7 @@ def preflight(
     budget: timedelta,
     store_timeout: timedelta,
     environ: Mapping[str, str] | None = None,
+    linger: timedelta = timedelta(seconds=15),
 ) -> tuple[dist.Store, Environment, dict[int, dict[str, str]]]:
     """Check the environment, open the store and compare every rank's facts.
 
@@ -152,6 +153,9 @@ def preflight(
         budget: Total time for connecting and for every rank to arrive.
         store_timeout: Timeout of the store's own operations afterwards.
         environ: The variables (default: ``os.environ``).
+        linger: When this rank hosts the store and preflight fails, how long it keeps the
+            store up for the ranks that arrived to read the verdict (they are told at once;
+            this bounds the wait for a rank that does not answer).
 
     Returns:
         The store (torch's rendezvous store, to pass to ``init_process_group``), this rank's
@@ -159,7 +163,9 @@ def preflight(
 
     Raises:
         PreflightError: A problem was found; every rank that is up raises it, with one line
-            per problem and a per-rank table.
+            per problem and a per-rank table. The first rank whose budget runs out publishes
+            its verdict, and every waiting rank raises it at once. A store that stops
+            answering (its host exited) is reported as such, never as a bare backend error.
     """
     deadline = time.monotonic() + budget.total_seconds()
     env, problems = check_environment(environ, rank=rank, world_size=world_size)
@@ -171,17 +177,26 @@ def preflight(
         )
     store = _open_store(env, deadline, store_timeout)
     facts = local_facts(backend, env)
-    table = _exchange(store, env, facts, deadline)
-    problems = compare(table, env.world_size)
-    if problems:
-        raise PreflightError(
-            f"Preflight found {len(problems)} problem(s) (rank {env.rank} reports):\n"
-            + "\n".join(f"  - {p}" for p in problems)
-            + "\n"
-            + format_table(table),
-            problems=problems,
-            table=table,
-        )
+    hosting = env.rank == 0 and not env.agent_store
+    try:
+        table = _exchange(store, env, facts, deadline)
+        problems = compare(table, env.world_size)
+        if problems:
+            raise PreflightError(
+                f"Preflight found {len(problems)} problem(s) (rank {env.rank} reports):\n"
+                + "\n".join(f"  - {p}" for p in problems)
+                + "\n"
+                + format_table(table),
+                problems=problems,
+                table=table,
+            )
+    except PreflightError as e:
+        if hosting:
+            # This process hosts the store: the ranks that arrived must read the verdict
+            # before it exits, or they would see a lost store instead of the problem.
+            _linger(store, env, e, linger)
+        raise
+    _call(env, store.add, f"{_PREFIX}/{env.restart}/done", 1)
     return store, env, table
 
 
@@ -315,16 +330,26 @@ def _device(backend: str | None, env: Environment) -> dict[str, str]:
 def _exchange(
     store: dist.Store, env: Environment, facts: dict[str, str], deadline: float
 ) -> dict[int, dict[str, str]]:
-    """Publish this rank's facts and wait for everyone's, until ``deadline``."""
+    """Publish this rank's facts and wait for everyone's, until ``deadline`` or until
+    another rank's verdict (it gave up first) is published."""
     prefix = f"{_PREFIX}/{env.restart}"
-    store.set(f"{prefix}/{env.rank}", json.dumps(facts))
+    _call(env, store.set, f"{prefix}/{env.rank}", json.dumps(facts))
     keys = [f"{prefix}/{r}" for r in range(env.world_size)]
+    verdict = f"{prefix}/verdict"
     # ``check`` never blocks (a timed ``wait`` would log a warning on every expiry); one
     # call covers every key, and only a timeout asks key by key who is missing.
-    while not store.check(keys) and time.monotonic() < deadline:
+    while not _call(env, store.check, keys) and time.monotonic() < deadline:
+        if _call(env, store.check, [verdict]):
+            told = json.loads(_call(env, store.get, verdict))
+            _call(env, store.add, f"{prefix}/done", 1)
+            raise PreflightError(
+                f"{told['message']}\n(rank {told['rank']} gave up first and published this; "
+                f"rank {env.rank} raises it too)",
+                problems=list(told["problems"]),
+            )
         time.sleep(_POLL_S)
-    arrived = [r for r, k in enumerate(keys) if store.check([k])]
-    values = store.multi_get([keys[r] for r in arrived]) if arrived else []
+    arrived = [r for r, k in enumerate(keys) if _call(env, store.check, [k])]
+    values = _call(env, store.multi_get, [keys[r] for r in arrived]) if arrived else []
     table = {r: json.loads(v) for r, v in zip(arrived, values, strict=True)}
     missing = [r for r in range(env.world_size) if r not in table]
     if missing:
@@ -333,15 +358,47 @@ def _exchange(
             f"rank(s) {_ranges(missing)} never arrived; WORLD_SIZE={env.world_size}, "
             f"arrived: {hosts}"
         ]
-        raise PreflightError(
+        message = (
             f"Rank(s) {_ranges(missing)} did not arrive at the rendezvous within the init "
             f"budget (rank {env.rank} waited). Arrived: {hosts}. HINT: is WORLD_SIZE right "
             "(nnodes x nproc-per-node), and did every node start? A rank that crashed at "
-            "import time never arrives either: see its log.\n" + format_table(table),
-            problems=problems,
-            table=table,
+            "import time never arrives either: see its log.\n" + format_table(table)
         )
+        payload = {"rank": env.rank, "message": message, "problems": problems}
+        _call(env, store.set, verdict, json.dumps(payload))
+        _call(env, store.add, f"{prefix}/done", 1)
+        raise PreflightError(message, problems=problems, table=table)
     return table
+
+
+def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: timedelta) -> None:
+    """The store host failed preflight: keep serving until every rank that arrived has
+    read the verdict (counted in ``done``), at most ``budget``."""
+    prefix = f"{_PREFIX}/{env.restart}"
+    try:
+        if not store.check([f"{prefix}/verdict"]):
+            payload = {"rank": env.rank, "message": str(error), "problems": error.problems}
+            store.set(f"{prefix}/verdict", json.dumps(payload))
+        arrived = sum(1 for r in range(env.world_size) if store.check([f"{prefix}/{r}"]))
+        end = time.monotonic() + budget.total_seconds()
+        while int(store.add(f"{prefix}/done", 0)) < arrived and time.monotonic() < end:
+            time.sleep(_POLL_S)
+    except (RuntimeError, OSError):  # our own server: nothing more to do for the others
+        return
+
+
+def _call(env: Environment, fn: Any, *args: Any) -> Any:
+    """Call a store method; a store that stops answering is a :class:`PreflightError`."""
+    try:
+        return fn(*args)
+    except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError included
+        raise PreflightError(
+            f"The rendezvous store at {env.master_addr}:{env.master_port} stopped answering "
+            f"rank {env.rank} (host {socket.gethostname()}) during start-up "
+            f"({type(e).__name__}: {e}). Its host (rank 0, or torchrun's agent) has probably "
+            "exited: its log says why (a preflight problem, a crash).",
+            problems=[f"store {env.master_addr}:{env.master_port} lost during start-up"],
+        ) from e
 
 
 def compare(table: Mapping[int, Mapping[str, str]], world_size: int) -> list[str]:

@@ -116,6 +116,7 @@ def init_process_group(
                 world_size=world_size,
                 budget=cfg.init_timeout,
                 store_timeout=pg_timeout,
+                linger=cfg.heartbeat_timeout,
             )
             rank, world_size = env.rank, env.world_size
             # torchrun's agent keeps one store across restarts: without a namespace per
