@@ -174,7 +174,7 @@ def late_rank(rank: int, delay: float, cfg_kwargs: dict[str, Any]) -> Any:
 class _NeverCompletes:
     """A backend work handle that never completes: a data plane that lost this rank's op.
 
-    Behaves as gloo's work does on a timed wait (FINDINGS): sleeps the timeout, then raises
+    Behaves as gloo's work does on a timed wait: sleeps the timeout, then raises
     ``RuntimeError("Operation timed out!")``, and stays incomplete.
     """
 

@@ -152,7 +152,7 @@ def test_a_good_environment_passes() -> None:
 
 
 def test_torchrun_restarts_rendezvous_again_every_time(tmp_path: Path) -> None:
-    # FINDINGS: plain torch failed to reconnect in 4 of 10 gloo restarts on torchrun's
+    # Plain torch failed to reconnect in 4 of 10 gloo restarts on torchrun's
     # reused rendezvous store. Here every one of 3 restarts must get through init.
     restarts = 3
     script = tmp_path / "train.py"

@@ -245,12 +245,21 @@ class Runtime:
             "step": self.step,
             "phase": self.phase,
             "section": self.section,
+            # Seconds left in the section's budget: peers keep waiting for a rank that is
+            # busy within a declared budget (a checkpoint save) instead of failing it.
+            "section_left": self.section_left(),
             "status": self.status,
             "compute_s": self.compute_s,
             "progress": self.progress,
             "raised": self.raised,
             "t": time.time(),
         }
+
+    def section_left(self) -> float | None:
+        """Seconds left in the budget of the section this rank is in (None: no budget)."""
+        if self.section_deadline == float("inf"):
+            return None
+        return round(max(0.0, self.section_deadline - time.monotonic()), 3)
 
     # -- failure bookkeeping ------------------------------------------------------------------
     def failed_for(self, seq: int) -> bool:
@@ -320,7 +329,9 @@ class Runtime:
         """The error this rank must raise because of ``ev``, a peer's verdict that names
         it (its timeout blamed this rank, or it declared this rank dead), or None."""
         kind, me = ev.get("kind"), self.rank
-        if ev.get("reporter") == me or ev.get("secondary"):
+        # A section overrun is reported by the rank itself (its watchdog), and the peers
+        # fail on it: its main thread must stop too, wherever it is stuck.
+        if (ev.get("reporter") == me and kind != ctl.EV_SECTION) or ev.get("secondary"):
             return None
         mine: dict[str, Any] | None = None
         if kind == ctl.EV_TIMEOUT:
@@ -332,14 +343,14 @@ class Runtime:
         culprit = ctl.to_culprit(
             {**mine, "step": self.step, "phase": self.phase, "section": self.section}
         )
-        where = f"[step {self.step}, phase {self.phase!r}]" if self.step >= 0 else ""
+        where = f" [step {self.step}, phase {self.phase!r}]" if self.step >= 0 else ""
         if kind == ctl.EV_TIMEOUT:
             waited = float(ev.get("waited", 0.0))
             message = (
                 f"rank {me} (host {self.identity['host']}) is stuck: rank {ev['reporter']} gave "
                 f"up on {ev.get('op')}#{ev.get('seq')} after {waited:.1f} s waiting for it "
                 f"({mine.get('what', '?')}), and every peer raised. Raised here, in the main "
-                f"thread, from wherever it was {where}."
+                f"thread, from wherever it was{where}."
             )
             return CollectiveTimeoutError(
                 message,
@@ -349,9 +360,10 @@ class Runtime:
                 generation=self.generation,
             )
         what = mine.get("what", "stopped responding")
+        who = "its watchdog" if ev.get("reporter") == me else f"rank {ev['reporter']}"
         message = (
-            f"rank {me} (host {self.identity['host']}): rank {ev['reporter']} reported that it "
-            f"{what}, and every peer raised. Raised here, in the main thread {where}."
+            f"rank {me} (host {self.identity['host']}): {who} reported that it {what}, and "
+            f"every peer raised. Raised here, in the main thread{where}."
         )
         cls = CollectiveTimeoutError if kind == ctl.EV_SECTION else RankFailureError
         return cls(message, culprits=[culprit], generation=self.generation)
@@ -705,6 +717,10 @@ class Runtime:
             what = self._what_blocks(r, s, answered, name, seq)
             if what:
                 fresh = time.time() - float(s.get("t", 0)) < hb_timeout
+                extra: dict[str, Any] = {}
+                if s.get("section_left") is not None:
+                    # Wall-clock end of its section's budget, as of its last heartbeat.
+                    extra["busy_until"] = float(s.get("t", 0)) + float(s["section_left"])
                 culprits.append(
                     ctl.culprit_from(
                         r,
@@ -713,6 +729,7 @@ class Runtime:
                         state=s,
                         stack=s.get("stack"),
                         alive=answered or (fresh and not self.is_stopped(r)),
+                        **extra,
                     )
                 )
         # Name root causes only. A rank blocked in an earlier collective is waiting on

@@ -2,7 +2,7 @@
 
 Each function mirrors its :mod:`torch.distributed` namesake and adds keyword-only
 ``timeout`` (one attempt), ``budget`` (total) and ``retry`` (attempts). Waiting never
-re-issues an op on one rank alone (FINDINGS.md: that pairs it with a peer's late call and
+re-issues an op on one rank alone (with gloo, that pairs it with a peer's late call and
 corrupts data silently). Instead:
 
 1. while the late ranks are alive, the rank keeps waiting on the *same* work handle, slice
@@ -357,7 +357,7 @@ class _Op:
                         return
                     except RuntimeError:
                         if not work.is_completed():
-                            continue  # this slice ran out; the op goes on (FINDINGS)
+                            continue  # this slice ran out; the same work is waited on again
                         error = _completed_with(work)
                         if error is None:
                             return  # it completed just after the slice ran out
@@ -368,7 +368,7 @@ class _Op:
         finally:
             if not work.is_completed():
                 # Never let a pending gloo work be destructed: its destructor blocks on a
-                # stopped peer (FINDINGS).
+                # stopped peer until the backend timeout.
                 rt.stuck.append(work)
 
     def _attempt_timed_out(self) -> float:
@@ -396,9 +396,26 @@ class _Op:
     def _keep_waiting(self, culprits: list[dict[str, Any]]) -> bool:
         """Whether to wait on the same handle for another attempt timeout: the late ranks
         are all alive and budget is left."""
-        if not culprits or time.monotonic() >= self.deadline:
+        if not culprits or not all(c.get("alive", False) for c in culprits):
             return False
-        if not all(c.get("alive", False) for c in culprits):
+        busy = [float(c["busy_until"]) for c in culprits if c.get("busy_until") is not None]
+        if len(busy) == len(culprits):
+            # Every late rank is inside a section with a budget (rd.section): busy, not
+            # missing. Wait for it on the same handle until that budget ends; if it
+            # overruns, its watchdog reports it and this wait fails at once.
+            until = time.monotonic() + max(busy) - time.time() + 1.0
+            if until > self.deadline:
+                self.deadline = until
+                log.info(
+                    "rank %d: %s#%d waits up to %.1f s more for rank(s) %s, busy in section(s) %s",
+                    self.rt.rank,
+                    self.name,
+                    self.seq,
+                    until - time.monotonic(),
+                    [c["rank"] for c in culprits],
+                    sorted({str(c.get("section", "")) for c in culprits}),
+                )
+        if time.monotonic() >= self.deadline:
             return False
         log.warning(
             "rank %d: %s#%d still waiting after %.1f s for rank(s) %s (alive); "

@@ -291,7 +291,7 @@ class ResilientDDP(DistributedDataParallel):
         return dec
 
     def _rd_rebuild_reducer(self) -> None:
-        """Rebuild DDP's reducer in place on the current default group (FINDINGS): the
+        """Rebuild DDP's reducer in place on the current default group: the
         object, ``.module`` and the optimizer stay; states already agree, so no sync."""
         self._rd_release_stuck_reducer()
         for name in ("reducer", "logger"):

@@ -439,5 +439,5 @@ def _finish(code: int) -> None:
         pass
     # Everything worth keeping has been sent. Skip the interpreter's teardown: after a
     # failure, gloo objects destructed there can block on a stopped peer or abort the
-    # process on a dead one (FINDINGS).
+    # process on a dead one (SIGABRT or SIGSEGV at exit).
     _runtime.hard_exit(code)
