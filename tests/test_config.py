@@ -7,6 +7,8 @@ from datetime import timedelta
 import pytest
 
 import resilient_ddp as rd
+from resilient_ddp import ConfigError, ResilienceConfig, RetryPolicy, get_config, set_config
+from resilient_ddp.config import resolve
 
 
 def test_fractional_seconds_are_kept() -> None:
@@ -96,3 +98,50 @@ def test_process_wide_config() -> None:
     finally:
         rd.set_config(None)
     assert rd.get_config() == rd.ResilienceConfig()
+
+
+def test_resolve_reads_the_environment_by_default() -> None:
+    env = {"RESILIENT_DDP_OP_TIMEOUT": "10s", "RESILIENT_DDP_HEARTBEAT_INTERVAL": "0.25"}
+    cfg = resolve(None, env)
+    assert cfg.op_timeout == timedelta(seconds=10)
+    assert cfg.heartbeat_interval == timedelta(milliseconds=250)
+    assert cfg.init_timeout == ResilienceConfig().init_timeout  # the default fills the rest
+
+
+def test_resolve_code_wins_field_by_field_over_the_environment() -> None:
+    env = {"RESILIENT_DDP_OP_TIMEOUT": "10s", "RESILIENT_DDP_INIT_TIMEOUT": "7s"}
+    # Set in code, even to the default value: the code wins for that field only.
+    cfg = resolve(ResilienceConfig(op_timeout=timedelta(seconds=60)), env)
+    assert cfg.op_timeout == timedelta(seconds=60)
+    assert cfg.init_timeout == timedelta(seconds=7)
+
+
+def test_resolve_merges_retry_fields() -> None:
+    env = {"RESILIENT_DDP_RETRY_BACKOFF": "1s", "RESILIENT_DDP_RETRY_ATTEMPTS": "5"}
+    cfg = resolve(ResilienceConfig(retry=RetryPolicy(attempts=2)), env)
+    assert cfg.retry.attempts == 2
+    assert cfg.retry.backoff == timedelta(seconds=1)
+
+
+def test_resolve_rejects_a_misspelt_variable() -> None:
+    with pytest.raises(ConfigError, match="RESILIENT_DDP_OP_TIMOUT"):
+        resolve(None, {"RESILIENT_DDP_OP_TIMOUT": "2s"})
+
+
+def test_resolve_without_variables_returns_the_given_config() -> None:
+    cfg = ResilienceConfig(op_timeout=timedelta(seconds=3))
+    assert resolve(cfg, {"PATH": "/bin"}) is cfg
+    assert resolve(None, {}) == ResilienceConfig()
+
+
+def test_get_config_completes_set_config_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RESILIENT_DDP_HEARTBEAT_TIMEOUT", "9s")
+    set_config(ResilienceConfig(op_timeout=timedelta(seconds=4)))
+    try:
+        cfg = get_config()
+    finally:
+        set_config(None)
+    assert cfg.op_timeout == timedelta(seconds=4)
+    assert cfg.heartbeat_timeout == timedelta(seconds=9)
