@@ -40,7 +40,8 @@ def test_a_rank_busy_in_its_section_budget_is_waited_for() -> None:
     outcomes = _run(w.section_wait, 3, False)
     report = format_outcomes(outcomes)
     for o in outcomes:
-        assert o.exitcode == 0 and o.value["ok"] is True, report
+        assert o.exitcode == 0, report
+        assert o.value["ok"] is True, report
     assert all(o.value["elapsed"] > 2.5 for o in outcomes[1:]), report
 
 
@@ -79,7 +80,8 @@ def test_survivors_name_the_store_host_that_raised_first() -> None:
     for _ in range(3):
         outcomes = _run(w.raise_first, 3)
         report = format_outcomes(outcomes)
-        assert outcomes[0].exitcode == 1 and "ValueError" in (outcomes[0].traceback or "")
+        assert outcomes[0].exitcode == 1, report
+        assert "ValueError" in (outcomes[0].traceback or ""), report
         for o in outcomes[1:]:
             assert o.exitcode == 0, report
             assert o.value["type"] == "RankFailureError", report
