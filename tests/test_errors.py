@@ -83,3 +83,17 @@ def test_retry_budget_keeps_last_attempt() -> None:
     with pytest.raises(rd.CollectiveTimeoutError) as info:
         err.reraise()
     assert info.value is last
+
+
+def test_a_lost_store_in_the_elastic_protocol_is_a_control_plane_error() -> None:
+    import torch.distributed as dist
+
+    from resilient_ddp.elastic import _typed_store_errors
+
+    @_typed_store_errors("recovery")
+    def step() -> None:
+        raise dist.DistNetworkError("Broken pipe")
+
+    with pytest.raises(rd.ControlPlaneError, match="during elastic recovery") as info:
+        step()
+    assert isinstance(info.value.__cause__, dist.DistNetworkError)

@@ -36,6 +36,7 @@ Healthy steps pay nothing for this: no store call, no vote, only a flag check.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -120,6 +121,47 @@ def live(refs: list[weakref.ReferenceType[Any]]) -> list[Any]:
     return [o for o in out if o is not None]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+# What a store call raises when the store's host is gone or does not answer in time.
+_STORE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(dist, name) for name in ("DistNetworkError", "DistStoreError") if hasattr(dist, name)
+)
+
+
+def _typed_store_errors(what: str) -> Callable[[_F], _F]:
+    """Report a store call of the elastic protocol that fails as a
+    :class:`ControlPlaneError` naming, where it can, the rank that hosted the store: the
+    protocol talks to the store directly, and a bare ``DistNetworkError`` from
+    ``forward()`` would say nothing."""
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except _STORE_ERRORS as e:
+                rt = args[0] if args and isinstance(args[0], Runtime) else None
+                host = rt.store_host_culprit() if rt is not None else None
+                who = f"rank {rt.rank}" if rt is not None else "this process"
+                message = (
+                    f"{who}: the control-plane store stopped answering during elastic {what} "
+                    f"({type(e).__name__}: {e})"
+                )
+                if host is not None:
+                    message += f"; rank {host.rank} hosted it and {host.what}"
+                if rt is not None:
+                    rt.mark_raised()
+                raise ControlPlaneError(
+                    message,
+                    culprits=[host] if host is not None else [],
+                    generation=rt.generation if rt is not None else 0,
+                ) from e
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
 def setup(rt: Runtime) -> None:
     """Give a runtime of generation 0 its elastic state (``on_failure="shrink"``)."""
     if rt.config.on_failure != "shrink" or getattr(rt, "elastic", None) is not None:
@@ -131,6 +173,7 @@ def setup(rt: Runtime) -> None:
 
 
 # -- shrink ------------------------------------------------------------------------------------
+@_typed_store_errors("recovery")
 def recover(
     rt: Runtime,
     *,
@@ -149,6 +192,7 @@ def recover(
     Raises:
         RankFailureError: Too few survivors, a minority, this rank was removed from the
             group, or no new generation could be formed within the budget.
+        ControlPlaneError: The store stopped answering (its host died).
     """
     el: Elastic = rt.elastic
     t0 = time.monotonic()
@@ -547,6 +591,7 @@ def _send_state(
 
 
 # -- grow --------------------------------------------------------------------------------------
+@_typed_store_errors("admission")
 def maybe_admit(
     rt: Runtime,
     el: Elastic,
@@ -720,6 +765,7 @@ def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
     return out
 
 
+@_typed_store_errors("joining")
 def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, dict[str, Any]]:
     """Joiner side (``RESILIENT_DDP_JOINER=1``): ask to join the running job, wait until
     the members admit this process, form the group with them and receive the state.
