@@ -195,6 +195,42 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="also run the tests marked slow (the elastic fault matrix: minutes each)",
     )
+    parser.addoption(
+        "--rank-start",
+        choices=("forkserver", "spawn"),
+        default="forkserver",
+        help="how run_ranks starts ranks: forks of a server that imported torch once "
+        "(default), or a new interpreter each (spawn, as cold as a real launch)",
+    )
+
+
+# What every rank of the multi-process tests imports: the fork server imports it once.
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",  # DDP's constructor imports it (1-3 s on 2 cores)
+    "resilient_ddp",
+    "tests._workers",
+    "tests._ddp_workers",
+    "tests._elastic_workers",
+    "tests._inference_workers",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start ranks from a fork server with torch imported (see ``--rank-start``).
+
+    A rank that is a fork of that server starts in tens of milliseconds instead of the
+    2-3 s that a fresh ``import torch`` costs on 2 cores; it still starts clean (one
+    thread, no store connection, default signal handlers: checked by
+    ``test_harness.py``). Tests that exercise a real cold start (torchrun, the demo,
+    ``doctor``, ``mp.spawn``) start their processes themselves and keep it.
+    """
+    from resilient_ddp.testing import set_start_method
+
+    method = session.config.getoption("--rank-start")
+    set_start_method(method, preload=_PRELOAD if method == "forkserver" else ())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

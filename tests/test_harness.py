@@ -1,0 +1,51 @@
+"""The test harness itself: ranks forked from the fork server start as fresh processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from datetime import timedelta
+from typing import Any
+
+from resilient_ddp.testing import format_outcomes, run_ranks
+
+
+def _inspect(rank: int) -> dict[str, Any]:
+    import resilient_ddp as rd
+    from resilient_ddp import _runtime
+
+    sockets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            sockets.append(link)
+    return {
+        "threads": threading.active_count(),
+        "native_threads": len(os.listdir("/proc/self/task")),
+        "sockets": sockets,
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "runtime": _runtime.current() is not None,
+        "initialized": rd.is_initialized(),
+        "pid": os.getpid(),
+    }
+
+
+def test_ranks_start_as_fresh_processes() -> None:
+    outcomes = run_ranks(_inspect, 2, timeout=timedelta(seconds=60))
+    report = format_outcomes(outcomes)
+    for o in outcomes:
+        assert o.exitcode == 0, report
+        v = o.value
+        # One Python thread and one native thread: nothing inherited from the server.
+        assert v["threads"] == 1, report
+        assert v["native_threads"] == 1, report
+        # The pipe to the parent is not a socket; no store connection is inherited.
+        assert v["sockets"] == [], report
+        assert v["sigterm_default"], report
+        assert not v["runtime"], report
+        assert not v["initialized"], report
+    assert outcomes[0].value["pid"] != outcomes[1].value["pid"]
