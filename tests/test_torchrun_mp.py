@@ -239,14 +239,8 @@ def test_torchruns_summary_shows_the_culprits_exception_as_root_cause(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.torchrun
-@pytest.mark.xfail(
-    reason="needs process_group.control_store to namespace a user-created group's control "
-    "plane by attempt (_torchelastic.attempt_namespace); until then the restarted attempt "
-    "fails to connect (the warning of plain_init_restart_hint says so)",
-    strict=True,
-)
 def test_a_plain_torch_init_survives_torchruns_restart(tmp_path: Path) -> None:
-    """FINDINGS: with the user's own dist.init_process_group("gloo"), torchrun's restarted
+    """Measured before: with the user's own dist.init_process_group("gloo"), torchrun's restarted
     attempt failed in gloo's connectFullMesh (it read the dead attempt's addresses from the
     agent's store). The last rank to attach now deletes those keys; the job completes."""
     job = run_torchrun(

@@ -160,7 +160,11 @@ def control_store(explicit: dist.Store | None = None) -> dist.Store:
     elif explicit is not None:
         root = explicit
     else:
-        root = dist.distributed_c10d._get_default_store()
+        from ._torchelastic import attempt_namespace
+
+        # A group the user created has no attempt namespace of its own: without one, a
+        # restarted torchrun attempt would read the previous attempt's control plane.
+        root = attempt_namespace(dist.distributed_c10d._get_default_store())
     return ctl.root_prefix(root)
 
 
