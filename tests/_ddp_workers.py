@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import faulthandler
+import io
 import os
+import pickle
 import time
 from typing import Any
 
@@ -179,6 +182,71 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
     return {"same": same, "moved": moved, **extra}
 
 
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _copy_of(model: nn.Module, how: str) -> Any:
+    """A copy of the whole wrapper: by pickle, torch.save/torch.load, or copy.deepcopy."""
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))  # noqa: S301 - bytes we just made
+    if how == "torch_save":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    raise ValueError(how)
+
+
+def copies(rank: int) -> dict[str, Any]:
+    """Copy a trained ResilientDDP and a plain DDP trained alike, in each of the three ways
+    torch users copy a DDP model; train the copies on; report how they compare.
+
+    Both originals carry a comm hook, which a copy does not keep (DDP's reducer holds it):
+    registering one again on the copy must work as on DDP's copy.
+    """
+    _init()
+    data = batches(rank, 6)
+    ours = rd.ResilientDDP(make_model())
+    theirs = DistributedDataParallel(make_model())
+    ours.register_comm_hook(None, default_hooks.allreduce_hook)
+    theirs.register_comm_hook(None, default_hooks.allreduce_hook)
+    _train(ours, data[:2])
+    _train(theirs, data[:2])
+    out: dict[str, Any] = {"steps_before": ours.resilience_stats["step"]}
+    for how in ("pickle", "torch_save", "deepcopy"):
+        mine, ref = _copy_of(ours, how), _copy_of(theirs, how)
+        before = _params(ours)
+        row: dict[str, Any] = {
+            "type": type(mine).__name__,
+            "isinstance_ddp": isinstance(mine, DistributedDataParallel),
+            "new_module": mine.module is not ours.module,
+            "copied_params": _same(_params(mine), before),
+            "same_state_keys": list(mine.state_dict()) == list(ours.state_dict()),
+        }
+        mine.register_comm_hook(None, default_hooks.allreduce_hook)
+        ref.register_comm_hook(None, default_hooks.allreduce_hook)
+        _train(mine, data[2:4])
+        _train(ref, data[2:4])
+        row["trained_like_ddp_copy"] = _same(_params(mine), _params(ref))
+        row["moved"] = not _same(_params(mine), before)
+        row["original_untouched"] = _same(_params(ours), before)
+        row["steps_after"] = mine.resilience_stats["step"]
+        out[how] = row
+    # The original still trains, alongside DDP's.
+    _train(ours, data[4:])
+    _train(theirs, data[4:])
+    out["original_trains_like_ddp"] = _same(_params(ours), _params(theirs))
+    rd.destroy_process_group()
+    return out
+
+
 def fault_train(
     rank: int, kind: str, where: str, culprit: int, cfg: dict[str, Any], at: int = FAULT_STEP
 ) -> Any:
@@ -205,7 +273,34 @@ def fault_train(
     except rd.ResilientDDPError as e:
         out = error_summary(e, t0)
         out["step"] = layer.step
+        out["culprit_steps"] = [(c.step, c.phase) for c in e.culprits]
         return out
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def dies_between_steps(rank: int, cfg: dict[str, Any], at: int, pause: float) -> Any:
+    """Train steps that end ``pause`` seconds after the optimizer step (a slow data loader);
+    rank 1 dies at the start of step ``at``. The survivor reports the culprit's step and
+    phase, which come from the culprit's last heartbeat."""
+    _init(cfg)
+    model = rd.ResilientDDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step, (x, y) in enumerate(batches(rank, at + 2)):
+            assert model.resilience_stats["step"] == step
+            if rank == 1 and step == at:
+                kill_self()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(pause)
+    except rd.RankFailureError as e:
+        return [
+            {"rank": c.rank, "step": c.step, "phase": c.phase, "age": c.state_age}
+            for c in e.culprits
+        ]
     finally:
         rd.destroy_process_group()
     return "no error"

@@ -70,10 +70,14 @@ def test_fault_during_training_is_named_on_every_survivor(kind: str, where: str)
         if kind == "raise":
             assert v["exc_type"] == "ValueError"
             assert "injected failure" in v["message"]
+            # The culprit reports itself: the step it was in (ResilientDDP counts from 0).
+            assert v["culprit_steps"] == [(d.FAULT_STEP, where)], v["message"]
         if kind == "sleep":
             assert "slow_data_loader" in v["stacks"][0], v["message"]
             phase = "data" if where == "data" else "backward"
             assert f"phase '{phase}'" in v["message"], v["message"]
+            # Diagnosed from a heartbeat published with the stack, so fresh.
+            assert v["culprit_steps"] == [(d.FAULT_STEP, phase)], v["message"]
         if kind == "sigstop":
             assert "stopped" in v["message"]
 
@@ -140,3 +144,38 @@ def test_straggler_report_names_the_slow_rank() -> None:
     for report in values.values():
         assert report["stragglers"] == [2], report
         assert report["compute_s"][2] > report["median_s"] + 0.1
+
+
+def test_copies_behave_as_ddps_copies() -> None:
+    """pickle, torch.save/torch.load of the whole model and copy.deepcopy give a working
+    ResilientDDP, which trains on exactly as DDP's copy does."""
+    values = _values(d.copies, 2, ranks=[0, 1])
+    for r, v in values.items():
+        assert v["steps_before"] == 2, (r, v)
+        for how in ("pickle", "torch_save", "deepcopy"):
+            row = v[how]
+            assert row["type"] == "ResilientDDP", (r, how, row)
+            assert row["isinstance_ddp"], (r, how, row)
+            assert row["new_module"], (r, how, row)
+            assert row["copied_params"], (r, how, row)
+            assert row["same_state_keys"], (r, how, row)
+            assert row["trained_like_ddp_copy"], (r, how, row)
+            assert row["moved"], (r, how, row)
+            assert row["original_untouched"], (r, how, row)
+            # The copy counts on from the original's steps: 2 + its own 2.
+            assert row["steps_after"] == 4, (r, how, row)
+        assert v["original_trains_like_ddp"], (r, v)
+
+
+def test_a_rank_dying_between_steps_is_named_in_its_new_step() -> None:
+    """The step boundary publishes a heartbeat at once: a rank killed at the start of step
+    3, well within one heartbeat interval of finishing step 2, is reported in step 3 and
+    phase 'data', not with what its last regular beat said (step 2, or earlier)."""
+    cfg = {"heartbeat_interval": 2.0, "heartbeat_timeout": 10.0, "op_timeout": 5.0}
+    pause = 0.5
+    values = _values(d.dies_between_steps, 2, cfg, 3, pause, ranks=[0])
+    [culprit] = values[0]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, 3, "data"), culprit
+    # Published at the boundary, before the pause that preceded the death: the report
+    # says how old it is.
+    assert culprit["age"] >= pause - 0.1, culprit

@@ -29,6 +29,11 @@ def _rows(out: str) -> dict[int, str]:
     return rows
 
 
+def _progress(out: str) -> list[int]:
+    """The step numbers of rank 0's progress lines."""
+    return [int(m) for m in re.findall(r"^  step +(\d+)  loss ", out, flags=re.MULTILINE)]
+
+
 @pytest.mark.parametrize(
     ("fault", "error"), [("kill", "RankFailureError"), ("hang", "CollectiveTimeoutError")]
 )
@@ -43,12 +48,18 @@ def test_demo_names_the_culprit_on_every_survivor(fault: str, error: str) -> Non
         assert fields[1] == "1", out  # named exactly rank 1
     if fault == "hang":
         assert "time.sleep(3600)" in out  # the culprit's stack is shown
+    # One step numbering: the step the demo injects at is the one the culprit's line names
+    # (it failed before its forward pass), and the progress lines count the same way.
+    assert re.search(r"fault: rank 1 .* at step 3\n", out), out
+    assert re.search(r"rank 1 \(host .*\[step 3, phase 'data'", out), out
+    assert _progress(out) == [0, 1, 2], out
 
 
 def test_demo_without_fault_finishes_and_exits_zero() -> None:
     code, out = _demo("--fault", "none", "--steps", "4")
     assert code == 0, out
     assert all("finished 4 steps" in row for row in _rows(out).values()), out
+    assert _progress(out) == [0, 1, 2, 3], out
 
 
 def test_elastic_demo_goes_on_and_admits_a_replacement() -> None:

@@ -1,7 +1,12 @@
 """The demo behind ``python -m resilient_ddp demo``: train on local gloo ranks, inject a
 fault, and show what every rank saw and how fast it knew. With ``--elastic`` the ranks
 train with ``on_failure="shrink"``: the survivors go on without the failed rank, a
-replacement process joins, and the run ends with a summary."""
+replacement process joins, and the run ends with a summary.
+
+Steps are numbered as ResilientDDP numbers them (see its "Steps"): from 0, step ``N``
+being the one that runs after ``N`` completed steps. ``--step``, the progress lines, the
+culprit's ``[step N, ...]`` in the errors and the ``--elastic`` summary all use that number.
+"""
 
 from __future__ import annotations
 
@@ -61,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--step",
         type=int,
         default=None,
-        help=f"the step at which it fails ({DEFAULT_STEP[0]}; {DEFAULT_STEP[1]} with --elastic)",
+        help=f"the step in which it fails, counted from 0 ({DEFAULT_STEP[0]}; "
+        f"{DEFAULT_STEP[1]} with --elastic)",
     )
     p.add_argument(
         "--steps",
@@ -186,8 +192,12 @@ def _worker(rank: int, args: dict[str, Any], out_dir: str) -> dict[str, Any]:
             opt.zero_grad()
             result["steps"] = step + 1
             if rank == 0:
-                print(f"  step {step + 1:>3}/{args['steps']}  loss {loss.item():8.4f}", flush=True)
-            time.sleep(0.05)  # a step of a real model takes a while
+                print(f"  step {step:>3}  loss {loss.item():8.4f}", flush=True)
+            # A step of a real model takes a while. (The heartbeat that a step boundary
+            # publishes needs a few ms on an idle machine, tens on a loaded one: with much
+            # shorter steps, a rank killed at a step's start may be shown one step behind,
+            # with the age of that state.)
+            time.sleep(0.1)
     except rd.ResilientDDPError as e:
         result.update(
             {
@@ -206,7 +216,7 @@ def _run_plain(args: argparse.Namespace) -> int:
     from resilient_ddp.launch import launch
 
     opts = vars(args).copy()
-    _header(args, f"ResilientDDP, {args.steps} steps")
+    _header(args, f"ResilientDDP, {args.steps} steps (0 to {args.steps - 1})")
     with tempfile.TemporaryDirectory() as out_dir:
         start = time.time()
         outcomes = launch(
@@ -305,7 +315,9 @@ def _elastic_worker(rank: int, args: dict[str, Any], out_dir: str) -> dict[str, 
         sampler.set_epoch(epoch)  # a joiner's sampler skips the epochs already done
         epoch += 1
         for ids in sampler:
-            if fault_due and model.resilience_stats["step"] >= args["step"]:
+            # This step's number: the steps the job committed so far.
+            step = model.resilience_stats["step"]
+            if fault_due and step >= args["step"]:
                 fault_due = False
                 _inject(args["fault"], out_dir)
             loss = ((model(x_all[ids]) - y_all[ids]) ** 2).mean()
@@ -313,20 +325,20 @@ def _elastic_worker(rank: int, args: dict[str, Any], out_dir: str) -> dict[str, 
             opt.step()
             opt.zero_grad()
             stats = model.resilience_stats
-            if stats["rank"] == 0 and (stats["step"] % 10 == 0 or stats["world_size"] != world):
+            # The same decision on every member: they have the same step and world size.
+            done = stats["step"] >= args["steps"] and (
+                stats["world_size"] >= args["nproc"]
+                or stats["step"] >= MAX_STEPS_FACTOR * args["steps"]
+            )
+            if stats["rank"] == 0 and (step % 10 == 0 or stats["world_size"] != world or done):
                 print(
-                    f"  step {stats['step']:>3}  {stats['world_size']} ranks  "
-                    f"loss {full_loss():.4f}",
+                    f"  step {step:>3}  {stats['world_size']} ranks  loss {full_loss():.4f}",
                     flush=True,
                 )
             world = stats["world_size"]
-            time.sleep(0.05)  # a step of a real model takes a while
-            # The same decision on every member: they have the same step and world size.
-            done = stats["step"] >= args["steps"] and (
-                world >= args["nproc"] or stats["step"] >= MAX_STEPS_FACTOR * args["steps"]
-            )
             if done:
                 break
+            time.sleep(0.05)  # a step of a real model takes a while
     result = {
         "pid": os.getpid(),
         "joiner": joiner,
@@ -408,7 +420,7 @@ def _elastic_summary(
             print(f"  failure     {who} at step {e['step']}")
             print(
                 f"              the {e['world_size']} others went on {since and since + 'it '}"
-                f"(recovery {e['recovery_s']:.2f} s); step {e['step'] + 1} "
+                f"(recovery {e['recovery_s']:.2f} s); step {e['step']} "
                 f"{OUTCOMES[e['outcome']]}"
             )
         else:

@@ -15,7 +15,9 @@ DDP's. What it adds:
 * construction checks, within the op budget, that parameters and the environment agree
   across ranks, and raises :class:`PreflightError` with a per-rank table otherwise;
 * step and phase (forward / backward / optimizer / data) are tracked for the heartbeat, so
-  a peer's error says what the culprit was doing.
+  a peer's error says what the culprit was doing;
+* pickling, ``torch.save`` of the whole model and ``copy.deepcopy`` work as on DDP: the
+  library's per-pass state is dropped and rebuilt with the reducer.
 """
 
 from __future__ import annotations
@@ -55,6 +57,27 @@ __all__ = ["ResilientDDP"]
 log = logging.getLogger("resilient_ddp")
 
 _optimizer_hooks_installed = False
+# Models whose step ended with a synchronised backward pass; the optimizer step that follows
+# publishes their new step count (see ResilientDDP._rd_publish_step).
+_ended_steps: weakref.WeakSet[ResilientDDP] = weakref.WeakSet()
+# Heartbeats published ahead of schedule at step boundaries, at most this many per
+# heartbeat interval: each is a watchdog tick (store round trips), so fast steps must not
+# turn into a flood of them.
+_STEP_BEATS_PER_INTERVAL = 5
+# Attributes that belong to the process and the reducer, not to the model: never pickled,
+# set afresh by ResilientDDP._rd_init_local_state (which must set every one of them).
+_LOCAL_STATE = (
+    "_rd_buckets",
+    "_rd_inner_hook",
+    "_rd_inner_state",
+    "_rd_pass",
+    "_rd_pass_error",
+    "_rd_callback_queued",
+    "_rd_compute_start",
+    "_rd_bucket_sync_due",
+    "_rd_bucket_thread",
+    "_rd_beat_at",
+)
 # Reducers (with DDP's logger) whose bucket exchange is still stuck in the backend; see
 # ResilientDDP._rd_rebuild_reducer.
 _left_behind: list[Any] = []
@@ -79,6 +102,28 @@ class ResilientDDP(DistributedDataParallel):
 
     Blocks while ranks compare parameters and environment (at most ``op_timeout``) and while
     DDP broadcasts rank 0's parameters.
+
+    **Steps.** A *step* is one training step: forward and backward passes (with
+    ``no_sync()``, several micro-batches) ending in a backward pass that reduces the
+    gradients, then the optimizer step. Steps are numbered from 0, as ``for step, batch in
+    enumerate(loader)`` numbers them: step ``N`` is the one that runs after ``N`` completed
+    steps, and ``resilience_stats["step"]`` is that count. A failure report names the step
+    and phase the culprit was in: ``[step 5, phase 'data', ...]`` means that it failed
+    after completing steps 0 to 4, before the forward pass of step 5. Both come from the
+    culprit's last heartbeat. The end of a step (its optimizer step, or else the next
+    forward pass) publishes one at once, at most five times per ``heartbeat_interval``, so
+    a rank that dies between steps is named in the step it was in; phase changes within a
+    step wait for the regular heartbeat. The report gives the age of what it shows when it
+    is not fresh (``as of 0.2 s earlier``). The count starts at construction, and a copy
+    (``copy.deepcopy``, pickling) goes on from the original's count. With
+    ``on_failure="shrink"`` it is the job's count of committed steps, which survivors and
+    joiners share.
+
+    **Copies.** ``copy.deepcopy(model)``, ``pickle`` and ``torch.save(model)`` /
+    ``torch.load(..., weights_only=False)`` behave as on DDP: the default process group is
+    required, and the copy gets a new reducer on the default group of the process that
+    loads it. A comm hook registered with :meth:`register_comm_hook` is not carried over
+    (DDP's reducer holds it); register it again on the copy.
 
     Raises:
         PreflightError: Parameter names, shapes or dtypes, the backend, the torch/CUDA/NCCL
@@ -115,6 +160,16 @@ class ResilientDDP(DistributedDataParallel):
         # Buffers are broadcast in forward by our bounded broadcast (see
         # _default_broadcast_coalesced), so DDP keeps its own switch.
         super().__init__(module, *args, **kwargs)
+        self.compute_times: list[float] = []
+        self._rd_steps = 0  # steps completed (see "Steps" in the class docstring)
+        self._rd_init_local_state()
+        if rt.step < 0:
+            rt.step = self._rd_step_count(rt)
+
+    def _rd_init_local_state(self) -> None:
+        """Set up what belongs to this process and to the reducer rather than to the model
+        (futures, threads, the comm hook that refers back to this object), at construction
+        and when a copy is unpickled (as DDP rebuilds its reducer there)."""
         self._rd_buckets: list[tuple[torch.futures.Future[torch.Tensor], list[Any], Any]] = []
         self._rd_inner_hook: Callable[..., Any] | None = None
         self._rd_inner_state: Any = None
@@ -124,10 +179,36 @@ class ResilientDDP(DistributedDataParallel):
         self._rd_compute_start = 0.0
         self._rd_bucket_sync_due = False
         self._rd_bucket_thread: threading.Thread | None = None
-        self.compute_times: list[float] = []
-        me = weakref.ref(self)
-        DistributedDataParallel.register_comm_hook(self, me, _resilient_hook)
+        self._rd_beat_at = 0.0  # time.monotonic() of the last step-boundary heartbeat
+        # A weak reference: DDP's reducer holds the hook's state, and a strong one would
+        # keep this model alive through its own reducer.
+        DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
         _install_optimizer_hooks()
+
+    # -- copies (pickle, torch.save, copy.deepcopy) ------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The picklable state: DDP's (without process group, reducer and logger), less
+        what :meth:`_rd_init_local_state` rebuilds.
+
+        Raises:
+            RuntimeError: The model does not use the default process group (as DDP).
+        """
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
+        for name in _LOCAL_STATE:
+            state.pop(name, None)
+        # DDP's list of hooks holds ours, whose state (a weak reference to this object)
+        # cannot be pickled; _rd_init_local_state registers it again on the new reducer.
+        state["_comm_hooks"] = [(h, s) for h, s in state["_comm_hooks"] if h is not _resilient_hook]
+        # The default group (the only one DDP pickles with) is the loading process's own.
+        state["_rd_kwargs"] = {k: v for k, v in self._rd_kwargs.items() if k != "process_group"}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled model on the default group of this process: DDP builds a new
+        reducer; the library's per-process state starts afresh. Communicates with no one (the
+        runtime attaches at the first collective if this process has none yet)."""
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._rd_init_local_state()
 
     # -- comm hooks --------------------------------------------------------------------------
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
@@ -169,6 +250,7 @@ class ResilientDDP(DistributedDataParallel):
                 # per-forward buffer broadcast would pair up unrelated calls.
                 return self._rd_local_forward(inputs, kwargs)
             rt.phase = "forward"
+            self._rd_publish_step(rt)
             self._rd_sync_buckets()
             self._rd_compute_start = time.monotonic()
         output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
@@ -224,6 +306,26 @@ class ResilientDDP(DistributedDataParallel):
         if done.value():
             self._has_rebuilt_buckets = True
 
+    # -- step numbering --------------------------------------------------------------------
+    def _rd_step_count(self, rt: Runtime) -> int:
+        """Steps completed so far: this model's count, or with ``on_failure="shrink"`` the
+        job's committed steps (which survivors and joiners share)."""
+        return int(rt.elastic.committed) if rt.elastic is not None else self._rd_steps
+
+    def _rd_publish_step(self, rt: Runtime) -> None:
+        """Show the current step in the heartbeat; a new one is published ahead of the
+        regular beat, so that a rank dying early in a step is named in that step."""
+        _ended_steps.discard(self)
+        step = self._rd_step_count(rt)
+        if rt.step == step:
+            return
+        rt.step = step
+        now = time.monotonic()
+        gap = rt.config.heartbeat_interval.total_seconds() / _STEP_BEATS_PER_INTERVAL
+        if rt.watchdog is not None and now - self._rd_beat_at >= gap:
+            self._rd_beat_at = now
+            rt.watchdog.poke()
+
     def _rd_watch_backward(self, output: Any) -> Any:
         if torch.is_grad_enabled():
             self._rd_callback_queued = False
@@ -256,6 +358,7 @@ class ResilientDDP(DistributedDataParallel):
                     self._rd_rebuild_reducer()
                 rt.raise_if_failed("forward", rt.seq + 1)
                 rt.phase = "forward"
+                self._rd_publish_step(rt)
                 self._rd_sync_buckets()
                 self._rd_compute_start = time.monotonic()
                 output = DistributedDataParallel.forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
@@ -416,19 +519,22 @@ class ResilientDDP(DistributedDataParallel):
         Returns:
             ``{"rank", "world_size", "generation", "step", "failures", "joins",
             "redone_steps", "skipped_steps", "recovery_s", "events", "world_size_history"}``:
-            ``step`` is the number of committed steps (reductions applied), ``events`` one
+            ``step`` is the number of completed steps, which is also the number of the
+            step in progress (see "Steps" in the class docstring; with
+            ``on_failure="shrink"``, the job's committed steps), ``events`` one
             record per shrink or join (culprits, outcome, timings) and, in a process that
             joined a running job, an ``"admitted"`` record (``requested_t``: when it asked,
             ``time.time()``; ``waited_s``: from asking to admitted with the state),
             ``recovery_s`` the recovery time of each shrink in seconds. Without
-            ``on_failure="shrink"`` only rank, world size and generation are filled in.
+            ``on_failure="shrink"`` only rank, world size, generation and step are filled
+            in.
         """
         rt = _runtime.current()
         out: dict[str, Any] = {
             "rank": rt.rank if rt else -1,
             "world_size": rt.world_size if rt else 0,
             "generation": rt.generation if rt else -1,
-            "step": 0,
+            "step": self._rd_step_count(rt) if rt else self._rd_steps,
             "failures": 0,
             "joins": 0,
             "redone_steps": 0,
@@ -442,7 +548,6 @@ class ResilientDDP(DistributedDataParallel):
         el = rt.elastic
         shrinks = [e for e in el.events if e["kind"] == "shrink"]
         out.update(
-            step=el.committed,
             failures=len(shrinks),
             joins=sum(1 for e in el.events if e["kind"] == "join"),
             redone_steps=el.redone,
@@ -492,8 +597,11 @@ class ResilientDDP(DistributedDataParallel):
             if rt is not None:
                 rt.end_op()
                 rt.phase = "after_backward"
-        if ops and rt is not None:
-            rt.step += 1
+        if ops:
+            # The step ends here; its new number is published at the optimizer step that
+            # follows (that step still belongs to this one), or at the next forward pass.
+            self._rd_steps += 1
+            _ended_steps.add(self)
         if (
             ops
             and not self._has_rebuilt_buckets
@@ -765,6 +873,8 @@ def _install_optimizer_hooks() -> None:
         rt = _runtime.current()
         if rt is not None:
             rt.phase = "data"
+            for model in list(_ended_steps):
+                model._rd_publish_step(rt)
 
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
