@@ -36,6 +36,7 @@ from .errors import (
     ControlPlaneError,
     Culprit,
     RankFailureError,
+    ResilientDDPError,
 )
 
 __all__: list[str] = []
@@ -1053,20 +1054,28 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     soon as one rank fails): raise the failure this rank knows of, naming the culprit,
     instead of dying silently. Without a known failure, die by the signal as before."""
     rt = _runtime
-    if rt is not None and rt.lingering:
-        return  # the store host serves the verdict to the last peers (bounded), then exits
-    if rt is not None and rt.told_error is not None and not rt.told_delivered:
-        rt.told_delivered = True
-        raise rt.told_error
-    # The watchdog learns of a death within a tick; let it tick now.
-    grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5 if rt is not None else 0.0
-    if rt is not None and rt.status == "running" and not rt.raised and rt.await_verdict(grace):
-        name = signal.Signals(signum).name
-        head = (
-            f"rank {rt.rank} (host {rt.identity['host']}) was ended by {name} from its "
-            f"launcher (in {rt.op or 'no collective'}, step {rt.step})"
-        )
-        raise rt.build_error(rt.op or "(no op)", max(rt.op_seq, 0), head=head)
+    if rt is not None:
+        if rt.lingering:
+            return  # the store host serves the verdict to the last peers (bounded), then exits
+        if isinstance(sys.exc_info()[1], ResilientDDPError):
+            # The main thread is handling one of our errors already (an ``except`` block:
+            # the user's, or mp.spawn's that reports it and exits): let it finish.
+            return
+        if rt.told_error is not None and not rt.told_delivered:
+            rt.told_delivered = True
+            raise rt.told_error
+        # The watchdog learns of a death within a tick; let it tick now. (``rt.raised`` may
+        # already be set: the watchdog builds the error it fails a pending op with.)
+        grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
+        if rt.status == "running" and rt.await_verdict(grace):
+            name = signal.Signals(signum).name
+            head = (
+                f"rank {rt.rank} (host {rt.identity['host']}) was ended by {name} from its "
+                f"launcher (in {rt.op or 'no collective'}, step {rt.step})"
+            )
+            raise rt.build_error(rt.op or "(no op)", max(rt.op_seq, 0), head=head)
+        if rt.hosts_store and (rt.failures or rt.raised):
+            return  # on its way out: it keeps the store up for the peers (linger), bounded
     signal.signal(signum, _prev_signal_handlers.get(signum, signal.SIG_DFL))
     os.kill(os.getpid(), signum)
 
