@@ -41,7 +41,7 @@ from . import _runtime, elastic
 from ._backend import nccl_version
 from ._runtime import PendingOp, Runtime
 from .collectives import _Op, all_gather_object, all_reduce, broadcast
-from .config import ResilienceConfig
+from .config import ResilienceConfig, resolve
 from .errors import (
     ConfigError,
     ControlPlaneError,
@@ -95,7 +95,8 @@ class ResilientDDP(DistributedDataParallel):
     Args:
         module: The module to replicate.
         *args: DDP's positional arguments (``device_ids``, ``output_device``, ...).
-        resilience: Budgets and policies; default: the config of the current runtime (or
+        resilience: Budgets and policies; the fields given in code win, ``RESILIENT_DDP_*``
+            variables fill in the others. Default: the config of the current runtime (or
             the process-wide config when this call attaches to torch's group).
         **kwargs: DDP's keyword arguments (``find_unused_parameters``, ``static_graph``,
             ``gradient_as_bucket_view``, ``broadcast_buffers``, ``bucket_cap_mb``, ...).
@@ -139,7 +140,8 @@ class ResilientDDP(DistributedDataParallel):
         **kwargs: Any,
     ) -> None:
         rt = ensure_runtime(resilience)
-        self._rd_config = resilience if resilience is not None else rt.config
+        # Fields given in code win; RESILIENT_DDP_* variables fill in the others.
+        self._rd_config = resolve(resilience) if resilience is not None else rt.config
         group = kwargs.get("process_group")
         el = rt.elastic
         if el is not None and group is not None:
