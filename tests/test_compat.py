@@ -172,10 +172,5 @@ def test_pyproject_declares_the_checked_range() -> None:
     assert _parts(torch_deps[0]) == _parts(TORCH_REQUIREMENT)
 
 
-@pytest.mark.xfail(
-    reason=f"config.py's _IGNORED_ENV does not list {ALLOW_ENV} yet, so from_env rejects it "
-    "as unknown; remove this mark when it does",
-    raises=rd.ConfigError,
-)
 def test_escape_hatch_variable_is_not_a_config_error() -> None:
     rd.ResilienceConfig.from_env({ALLOW_ENV: "1"})

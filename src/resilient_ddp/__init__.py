@@ -5,6 +5,8 @@ Every public name is importable from here; the submodules are implementation det
 
 from __future__ import annotations
 
+# First: refuses a torch outside the supported range before anything uses its internals.
+from . import _compat  # noqa: F401
 from ._runtime import phase, section
 from .checkpoint import broadcast_state_dict, load_and_broadcast
 from .collectives import (
