@@ -77,7 +77,7 @@ def test_dead_rank_is_named_on_every_rank_within_2s(kind: str, op: str) -> None:
 @pytest.mark.parametrize("op", w.OPS)
 def test_stalled_rank_is_named_with_its_stack(op: str) -> None:
     outcomes = _run(w.fault, 3, op, "sleep", 1, FAST)
-    values = _values(outcomes, [0, 1, 2])
+    values = _values(outcomes, [0, 2])
     for r in (0, 2):
         v = values[r]
         assert v["type"] == "CollectiveTimeoutError", v
@@ -86,9 +86,13 @@ def test_stalled_rank_is_named_with_its_stack(op: str) -> None:
         assert v["elapsed"] < FAST["op_timeout"] + 2.0, (r, v["elapsed"], v["message"])
         assert "slow_data_loader" in v["stacks"][0], v["message"]
         assert "phase 'data'" in v["message"]
-    # The stalled rank itself learns it was named as soon as it comes back.
-    assert values[1]["ranks"] == [1]
-    assert values[1]["elapsed"] < 1.0
+    # The stalled rank is told: the peers' verdict is raised in its main thread, from
+    # inside the sleep it was stuck in, not when it comes back.
+    stalled = outcomes[1]
+    report = format_outcomes(outcomes)
+    assert stalled.exc_type == "resilient_ddp.CollectiveTimeoutError", report
+    assert "is stuck" in (stalled.exc_message or ""), report
+    assert "slow_data_loader" in (stalled.traceback or ""), report
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather_object"])
