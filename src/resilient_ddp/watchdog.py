@@ -43,6 +43,7 @@ class Watchdog(threading.Thread):
         self.control.set_timeout(runtime.config.heartbeat_timeout)
         self._stop_event = threading.Event()
         self._wake = threading.Event()
+        self._poking = False  # see poke()
         self._beat = 0
         self._last_count = 0  # ev/n when last read
         self._lines_seen = 0  # events consumed from ev/log (may run ahead of ev/n)
@@ -75,8 +76,20 @@ class Watchdog(threading.Thread):
         self.rt.watchdog_tick = 0.0
 
     def poke(self) -> None:
-        """Run the next tick now instead of at the end of the interval."""
-        self._wake.set()
+        """Run the next tick now instead of at the end of the interval.
+
+        Safe from a signal handler: a handler (SIGTERM, the peers' verdict) that interrupts
+        a poke on the main thread must not set the event again, because the interrupted
+        ``Event.set`` holds the event's lock (a deadlock, seen under mp.spawn's SIGTERM).
+        A poke already under way sets the flag anyway.
+        """
+        if self._poking:
+            return
+        self._poking = True
+        try:
+            self._wake.set()
+        finally:
+            self._poking = False
 
     def run(self) -> None:
         errors = 0
