@@ -867,6 +867,212 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+_LAUNCHER = {
+    "mp_spawn": "`torch.multiprocessing.spawn`",
+    "popen": "plain processes (`subprocess.Popen`)",
+}
+_LAUNCH_FAULT = {
+    "kill": "killed (SIGKILL)",
+    "raise": "raises `ValueError`",
+    "hang": "hangs (`time.sleep`)",
+}
+
+
+def _med_worst(median: float | None, worst: float | None, scale: float = 1.0) -> str:
+    if median is None or worst is None:
+        return "-"
+    return f"{median * scale:.2f} ({worst * scale:.2f})"
+
+
+def _counted(counts: dict[str, int], code: bool = False) -> str:
+    return ", ".join(
+        (f"`{k}`" if code else k) + (f" x{v}" if len(counts) > 1 else "")
+        for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
+    )
+
+
+@renderer("launchers")
+def render_launchers(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    rows = data.get("rows", [])
+    culprit = setup.get("culprit", 1)
+    env = ", ".join(f"`{k}={v}`" for k, v in setup.get("env", {}).items())
+    lines = [
+        f"{setup.get('world_size', '?')} gloo ranks on CPU run one training script: "
+        "`rd.init_process_group()` with no argument (env://), "
+        "`rd.ResilientDDP(nn.Linear(16, 4))`, SGD, "
+        f"{setup.get('steps', '?')} steps, configured only through the environment ({env}). "
+        "In both launchers rank 0 hosts the TCPStore, the control plane through which a "
+        "survivor learns which rank failed and how. The store ends with rank 0's process, "
+        "so rank 0 keeps serving at its exit until its peers are done with it (at most the "
+        "heartbeat timeout); a survivor that finds the store gone can only report "
+        "'store unreachable' instead of the culprit.",
+        "",
+        "- **`torch.multiprocessing.spawn`**, set up as in PyTorch's DDP tutorial (the rank "
+        "sets `MASTER_ADDR`/`MASTER_PORT`, here also `RANK`/`WORLD_SIZE`) and waited on as "
+        "`join=True` does: after the first failed process it SIGTERMs the others;",
+        "- **plain processes**: three `subprocess.Popen` with `RANK`, `WORLD_SIZE`, "
+        "`LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` in their environment, as `srun` starts "
+        "them; nothing reacts to a death.",
+        "",
+        f"At step {setup.get('fault_step', '?')} rank {culprit} is killed (SIGKILL), raises "
+        f"a `ValueError` in user code, or hangs (`time.sleep({setup.get('hang_s', 60):g})` "
+        "outside any collective). The time is from the fault (rank "
+        f"{culprit}'s clock just before it faults) to each survivor's error (its own clock, "
+        "in its `except` clause; one host): median and worst over both survivors of "
+        f"{setup.get('runs', '?')} runs per row. A run counts as naming the culprit when "
+        f"every survivor's error has `err.ranks == ({culprit},)`. The job's wall time is "
+        "from the launch to the launcher's return (the last process ended, or `join` "
+        "returned), start-up included.",
+        "",
+    ]
+    body = []
+    for r in (r for r in rows if r["fault"] != "none"):
+        end = _counted(r.get("culprit_end", {}))
+        if r["fault"] == "hang" and r.get("median_culprit_end_s") is not None:
+            end += f", {_med_worst(r['median_culprit_end_s'], r['max_culprit_end_s'])} s after"
+        body.append(
+            [
+                _LAUNCHER.get(r["launcher"], r["launcher"]),
+                f"rank {culprit} {_LAUNCH_FAULT.get(r['fault'], r['fault'])}",
+                f"{r['named_runs']} of {r['runs']}",
+                _s(r["median_s"]),
+                _s(r["max_s"]),
+                _counted(r.get("error_types", {}), code=True),
+                end,
+                _med_worst(r["median_wall_s"], r["max_wall_s"]),
+            ]
+        )
+    header = [
+        "launcher",
+        "fault",
+        f"runs in which every survivor named rank {culprit}",
+        "fault to survivor's error: median (s)",
+        "worst (s)",
+        "survivors' errors",
+        f"rank {culprit} ended",
+        "job wall time: median (worst) s",
+    ]
+    lines += md_table(header, body, align="llrrrlll")
+    lines.append("")
+    healthy = [r for r in rows if r["fault"] == "none"]
+    if healthy:
+        lines += [
+            "**Healthy runs** (no fault): `rd.destroy_process_group()` on each rank, rank 0 "
+            "(the store host, which waits there for its peers) apart; then the interpreter's "
+            "teardown, from the last rank's return from `destroy_process_group` to the last "
+            "process's end. Median (worst).",
+            "",
+        ]
+        others = sorted((k for k in healthy[0].get("destroy_s", {}) if k != "0"), key=int)
+        body = []
+        for r in healthy:
+            d = r.get("destroy_s", {})
+            body.append(
+                [
+                    _LAUNCHER.get(r["launcher"], r["launcher"]),
+                    f"{r['completed']} of {r['runs']}",
+                    *(
+                        _med_worst(d[k]["median"], d[k]["max"], 1000) if k in d else "-"
+                        for k in ("0", *others)
+                    ),
+                    _med_worst(r.get("median_teardown_s"), r.get("max_teardown_s")),
+                    _med_worst(r["median_wall_s"], r["max_wall_s"]),
+                ]
+            )
+        header = [
+            "launcher",
+            "runs that finished",
+            "`destroy_process_group` rank 0 (ms)",
+            *(f"rank {k} (ms)" for k in others),
+            "teardown (s)",
+            "job wall time (s)",
+        ]
+        lines += md_table(header, body, align="l" + "r" * (len(header) - 1))
+        lines.append("")
+    wrong = [(r, x) for r in rows for x in r.get("not_named", []) if r["fault"] != "none"]
+    if wrong:
+        lines += [f"Survivors that did not name rank {culprit}:", ""]
+        for r, x in wrong:
+            what = (
+                f"`{x['type']}` naming {x['ranks']}: {_short(x.get('message', ''), 200)}"
+                if "type" in x
+                else x.get("what", "?")
+            )
+            lines.append(
+                f"- {_LAUNCHER.get(r['launcher'], r['launcher'])}, {r['fault']}, run "
+                f"{x['run'] + 1}, rank {x['rank']}: {what}"
+            )
+        lines.append("")
+    lines += _launchers_reading(rows, culprit)
+    extra = []
+    for r in rows:
+        label = f"{_LAUNCHER.get(r['launcher'], r['launcher'])}, {r['fault']}"
+        if r.get("port_retries"):
+            extra.append(f"{label}: {r['port_retries']} port clash(es), started again")
+        if r.get("deadline_hits"):
+            extra.append(f"{label}: {r['deadline_hits']} run(s) hit the deadline")
+        if r.get("left_behind"):
+            extra.append(f"{label}: {r['left_behind']} process(es) left behind, killed")
+    if extra:
+        lines += ["Incidents: " + "; ".join(extra) + ".", ""]
+    return lines
+
+
+def _launchers_reading(rows: list[dict[str, Any]], culprit: int) -> list[str]:
+    by = {(r["launcher"], r["fault"]): r for r in rows}
+
+    def get(launcher: str, fault: str, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
+        v = by.get((launcher, fault), {}).get(key)
+        return "?" if v is None else f"{v * scale:{fmt}}"
+
+    def ended(launcher: str) -> str:
+        return _counted(by.get((launcher, "hang"), {}).get("culprit_end", {})) or "?"
+
+    def d0(launcher: str) -> str:
+        v = by.get((launcher, "none"), {}).get("destroy_s", {}).get("0", {}).get("median")
+        return "?" if v is None else f"{v * 1000:.0f}"
+
+    faulty = [r for r in rows if r["fault"] != "none"]
+    if not faulty:
+        return []
+    named = sum(r["named_runs"] for r in faulty)
+    total = sum(r["runs"] for r in faulty)
+    parts = [
+        f"Reading these figures: every survivor named rank {culprit} in {named} of {total} "
+        "runs with a fault. "
+    ]
+    mp_kill = by.get(("mp_spawn", "kill"))
+    if mp_kill and mp_kill.get("by_launcher_sigterm"):
+        parts.append(
+            "After a kill, `mp.spawn`'s `join` SIGTERMs the survivors at once: "
+            f"{mp_kill['by_launcher_sigterm']} of {mp_kill['survivor_errors']} survivor errors "
+            f"say the rank 'was ended by SIGTERM from its launcher' and name rank {culprit}, "
+            f"hence {get('mp_spawn', 'kill', 'median_s')} s. "
+        )
+    parts.append(
+        "Plain processes are signalled by nobody and learn it from the library's own "
+        f"detection: {get('popen', 'kill', 'median_s')} s (worst "
+        f"{get('popen', 'kill', 'max_s')} s) after a kill, "
+        f"{get('popen', 'raise', 'median_s')} s after a raise (`mp.spawn`: "
+        f"{get('mp_spawn', 'raise', 'median_s')} s), within about one heartbeat interval "
+        "(0.5 s by default). After a hang the survivors raise after "
+        f"{get('popen', 'hang', 'median_s')} s (the 3 s op timeout, then asking every rank "
+        f"where it is); the hung rank itself {ended('mp_spawn')} "
+        f"{get('mp_spawn', 'hang', 'median_culprit_end_s')} s after the fault under "
+        "`mp.spawn` (right after the first survivor's exit, when `join`'s SIGTERM reaches "
+        f"it), and {ended('popen')} {get('popen', 'hang', 'median_culprit_end_s')} s after "
+        "it as a plain process (told by its peers' verdict, about one heartbeat interval "
+        "after they raised). On a healthy "
+        "exit rank 0's `destroy_process_group`, its wait for its peers included, takes "
+        f"{d0('mp_spawn')} ms (`mp.spawn`) and {d0('popen')} ms (plain processes), "
+        "medians; the job's "
+        "wall time is the start-up (three processes importing torch on 2 cores) and each "
+        "interpreter's own teardown after it.",
+    )
+    return ["".join(parts), ""]
+
+
 # -- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
