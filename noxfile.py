@@ -22,11 +22,15 @@ LINT_PATHS = ("src", "tests", "benchmarks", "noxfile.py")
 
 @nox.session(python=None)
 def tests(session: nox.Session) -> None:
-    """Run the test suite (gloo on CPU). Extra arguments go to pytest."""
+    """Run the whole test suite (gloo on CPU), the slow fault matrix included.
+
+    Extra arguments go to pytest and replace the default ``--run-slow``: e.g.
+    ``nox -s tests -- tests/test_config.py`` runs one file without the slow tests.
+    """
     # numpy is not a dependency, but without it `import torch` warns and
     # filterwarnings=error turns that warning into an error.
     session.install(*CONSTRAINTS, "-e", ".[test]", "numpy")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *(session.posargs or ["--run-slow"]))
 
 
 @nox.session(python=None)
