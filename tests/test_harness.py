@@ -8,6 +8,8 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 
@@ -49,3 +51,16 @@ def test_ranks_start_as_fresh_processes() -> None:
         assert not v["runtime"], report
         assert not v["initialized"], report
     assert outcomes[0].value["pid"] != outcomes[1].value["pid"]
+
+
+def _read_env(rank: int) -> str | None:
+    return os.environ.get("RD_HARNESS_PROBE")
+
+
+def test_ranks_see_the_parents_environment_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Set after the fork server started: a child forked from it must still see it, as a
+    # spawned child would (an operator's RESILIENT_DDP_* variables reach the ranks).
+    run_ranks(_inspect, 1, timeout=timedelta(seconds=60))  # the server is up by now
+    monkeypatch.setenv("RD_HARNESS_PROBE", "set-late")
+    outcomes = run_ranks(_read_env, 2, timeout=timedelta(seconds=60))
+    assert [o.value for o in outcomes] == ["set-late", "set-late"], format_outcomes(outcomes)

@@ -178,7 +178,10 @@ class _Job:
 
     def _start(self, rank: int, *, joiner: bool) -> None:
         recv, send = self.ctx.Pipe(duplex=False)
+        # This process's environment as it is now, whatever the start method: a child of
+        # the fork server would otherwise see the server's, as of when it started.
         child_env = {
+            **os.environ,
             **self.base_env,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
@@ -394,6 +397,8 @@ def _report_death(control_root: dist.Store, rank: int, exitcode: int) -> None:
 def _child_main(
     fn: Callable[..., Any], rank: int, args: tuple[Any, ...], env: dict[str, str], conn: Any
 ) -> None:
+    # The parent's environment at start, exactly (see _Job._start).
+    os.environ.clear()
     os.environ.update(env)
     faulthandler.enable()
     code = 0
