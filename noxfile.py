@@ -22,15 +22,12 @@ LINT_PATHS = ("src", "tests", "benchmarks", "noxfile.py")
 
 @nox.session(python=None)
 def tests(session: nox.Session) -> None:
-    """Run the whole test suite (gloo on CPU), the slow fault matrix included.
-
-    Extra arguments go to pytest and replace the default ``--run-slow``: e.g.
-    ``nox -s tests -- tests/test_config.py`` runs one file without the slow tests.
-    """
+    """Run the test suite (gloo on CPU). Extra arguments go to pytest (e.g. ``--run-slow``
+    for the elastic fault matrix, ``--rank-start forkserver`` for fast rank start-up)."""
     # numpy is not a dependency, but without it `import torch` warns and
     # filterwarnings=error turns that warning into an error.
     session.install(*CONSTRAINTS, "-e", ".[test]", "numpy")
-    session.run("pytest", *(session.posargs or ["--run-slow"]))
+    session.run("pytest", *session.posargs)
 
 
 @nox.session(python=None)
