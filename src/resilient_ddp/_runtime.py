@@ -469,12 +469,7 @@ class Runtime:
             )
         if dead:
             return True
-        info = self.infos.get(rank, {})
-        if self.is_local(rank):
-            pid = int(info.get("pid", 0))
-            if not ctl.same_process_alive(pid, info.get("start")) or self.is_stopped(rank):
-                return True
-        return False
+        return self.is_gone(rank) or self.is_stopped(rank)
 
     def await_verdict(self, seconds: float) -> bool:
         """Wait (at most ``seconds``) until a failure is known, the watchdog ticking at
@@ -819,6 +814,13 @@ class Runtime:
         pid = int(self.infos.get(rank, {}).get("pid", 0))
         return self.is_local(rank) and ctl.process_state(pid) == "T"
 
+    def is_gone(self, rank: int) -> bool:
+        """Whether ``rank`` runs on this host and its process has ended (or is a zombie)."""
+        info = self.infos.get(rank, {})
+        return self.is_local(rank) and not ctl.same_process_alive(
+            int(info.get("pid", 0)), info.get("start")
+        )
+
     def store_host_culprit(self) -> Culprit | None:
         """With the control plane lost: the rank that hosted the store, if one did, and
         what became of it as far as this host can see."""
@@ -826,7 +828,7 @@ class Runtime:
             if r == self.rank or not info.get("hosts_store"):
                 continue
             pid = int(info.get("pid", 0))
-            if self.is_local(r) and not ctl.same_process_alive(pid, info.get("start")):
+            if self.is_gone(r):
                 what = f"died (process {pid} is gone)"
             elif self.is_stopped(r):
                 what = "is stopped (SIGSTOP or a debugger)"
@@ -933,16 +935,24 @@ def _excepthook(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
     rt = _runtime
-    if rt is not None and not issubclass(exc_type, KeyboardInterrupt):
-        rt.report_exception(exc, tb)
     if rt is not None:
-        from ._torchelastic import record_error_file
-
-        record_error_file(exc)  # torchrun's root-cause summary shows what this rank saw
+        _report_dying(rt, exc, tb, to_peers=not issubclass(exc_type, KeyboardInterrupt))
     assert _prev_excepthook is not None
     _prev_excepthook(exc_type, exc, tb)
     if rt is not None and (rt.stuck or rt.failures):
         hard_exit(1)
+
+
+def _report_dying(
+    rt: Runtime, exc: BaseException, tb: TracebackType | None, *, to_peers: bool = True
+) -> None:
+    """The exception this rank dies of: to the peers, and to torchrun's error file (its
+    root-cause summary shows what this rank saw)."""
+    if to_peers:
+        rt.report_exception(exc, tb)
+    from ._torchelastic import record_error_file
+
+    record_error_file(exc)
 
 
 def _thread_hook(args: threading.ExceptHookArgs) -> None:
@@ -1042,7 +1052,13 @@ _prev_exit: Callable[..., Any] | None = None
 def _on_tell(signum: int, frame: FrameType | None) -> None:
     """Raise the peers' verdict on this rank in the main thread (see Runtime.tell_main)."""
     rt = _runtime
-    if rt is None or rt.told_error is None or rt.told_delivered:
+    if rt is not None:
+        _raise_told(rt)
+
+
+def _raise_told(rt: Runtime) -> None:
+    """Raise the peers' verdict on this rank, once, if the watchdog has one for it."""
+    if rt.told_error is None or rt.told_delivered:
         return
     rt.told_delivered = True
     rt.mark_raised()
@@ -1061,9 +1077,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
             # The main thread is handling one of our errors already (an ``except`` block:
             # the user's, or mp.spawn's that reports it and exits): let it finish.
             return
-        if rt.told_error is not None and not rt.told_delivered:
-            rt.told_delivered = True
-            raise rt.told_error
+        _raise_told(rt)
         # The watchdog learns of a death within a tick; let it tick now. (``rt.raised`` may
         # already be set: the watchdog builds the error it fails a pending op with.)
         grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
@@ -1092,10 +1106,7 @@ def _exit_reporting(code: str | int | None = None) -> NoReturn:
         and _normalise_code(code) != 0
         and not isinstance(exc, (SystemExit, KeyboardInterrupt))
     ):
-        rt.report_exception(exc)
-        from ._torchelastic import record_error_file
-
-        record_error_file(exc)
+        _report_dying(rt, exc, exc.__traceback__)
     assert _prev_exit is not None
     _prev_exit(code)
     raise SystemExit(code)  # pragma: no cover - _prev_exit raised already

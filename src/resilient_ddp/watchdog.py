@@ -238,9 +238,9 @@ class Watchdog(threading.Thread):
         for r in self.local_peers:
             if r in self.rt.left:
                 continue
-            info = self.rt.infos[r]
-            if ctl.same_process_alive(int(info["pid"]), info.get("start")):
+            if not self.rt.is_gone(r):
                 continue
+            info = self.rt.infos[r]
             self.local_peers = [p for p in self.local_peers if p != r]
             state = self.control.read_states([r]).get(r) if self.control.has_state(r) else None
             if state is not None and state.get("status") == "left":
