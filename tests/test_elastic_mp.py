@@ -102,19 +102,12 @@ def _check_logs(
 
 
 def _run(out_dir: Path, faults: list[dict[str, Any]], epochs: int, seconds: int) -> Any:
-    # Cold starts (spawn), not the fork server: with replacements that join within a
-    # step, the 20-fault matrix fails about 1 run in 2 (a watchdog's poll of the store
-    # stalls 5 s and the rank reports the control plane lost), a bug of the elastic
-    # protocol under fast churn that is still open. Reproduce with
-    # `pytest --run-slow tests/test_elastic_mp.py -k matrix --rank-start forkserver` after
-    # removing start_method here.
     return run_ranks(
         w.train,
         4,
         (str(out_dir), faults, epochs, {}, 0.01),
         timeout=timedelta(seconds=seconds),
         restarts=len(faults),
-        start_method="spawn",
     )
 
 

@@ -198,6 +198,7 @@ class Runtime:
         self.told_delivered = False
         self.lingering = False  # the store host waits for its peers before exiting
         self.watchdog: Any = None
+        self._connections: dict[str, dist.Store] = {}
         self.elastic: Any = None  # elastic.Elastic with on_failure="shrink"
         # time.monotonic() of the watchdog's last completed tick (0: no watchdog yet); a
         # tick that does not complete within stall_s means the store stopped answering.
@@ -208,6 +209,23 @@ class Runtime:
         # The backend timeout the default group was created with (None: torch's default);
         # a rebuilt generation gets it back after its short rendezvous timeout.
         self.backend_timeout: timedelta | None = None
+
+    def connection(self, purpose: str) -> ctl.ControlPlane:
+        """The current generation's control plane over a connection of its own for
+        ``purpose`` (``"watchdog"``, ``"progress"``): a thread that polls the store while
+        the main thread uses it must not queue behind the main thread's calls.
+
+        One connection per purpose, made on first use and kept for the life of the
+        process, whatever the generation. A new connection per generation reused freed
+        file descriptor numbers, and with gloo's sockets of the abandoned generations
+        around, a watchdog's first poll on a fresh connection sometimes never got its
+        answer: 1 run in 2 of the 20-fault elastic matrix reported the control plane lost
+        after ``heartbeat_timeout``; 0 in 17 runs with the connection kept.
+        """
+        root = self._connections.get(purpose)
+        if root is None:
+            root = self._connections[purpose] = self.control.clone().root
+        return ctl.ControlPlane(root, self.generation)
 
     # -- healthy path ------------------------------------------------------------------------
     def begin_op(self, name: str) -> int:

@@ -263,7 +263,7 @@ class _Progress:
         self.rt.progress = None
 
     def _run(self) -> None:
-        control = self.rt.control.clone()
+        control = self.rt.connection("progress")
         ranks = list(range(self.rt.world_size))
         last = -1
         while not self._stop.wait(_REFRESH_S):

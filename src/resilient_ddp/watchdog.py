@@ -35,7 +35,7 @@ class Watchdog(threading.Thread):
     def __init__(self, runtime: Runtime) -> None:
         super().__init__(name=f"resilient_ddp-watchdog-r{runtime.rank}", daemon=True)
         self.rt = runtime
-        self.control = runtime.control.clone()
+        self.control = runtime.connection("watchdog")
         self.interval = runtime.config.heartbeat_interval.total_seconds()
         self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
         # A store that stops answering (its host died, or the network to it is cut) must
