@@ -22,12 +22,22 @@ LINT_PATHS = ("src", "tests", "benchmarks", "noxfile.py")
 
 @nox.session(python=None)
 def tests(session: nox.Session) -> None:
-    """Run the test suite (gloo on CPU). Extra arguments go to pytest (e.g. ``--run-slow``
-    for the elastic fault matrix, ``--rank-start forkserver`` for fast rank start-up)."""
+    """Run the whole test suite (gloo on CPU), the fault matrix included. Extra arguments
+    go to pytest (e.g. ``--skip-slow`` to leave out the longest tests, ``--rank-start
+    spawn`` to start every rank as a fresh interpreter instead of a fork-server child)."""
     # numpy is not a dependency, but without it `import torch` warns and
     # filterwarnings=error turns that warning into an error.
     session.install(*CONSTRAINTS, "-e", ".[test]", "numpy")
     session.run("pytest", *session.posargs)
+
+
+@nox.session(python=None)
+def stress(session: nox.Session) -> None:
+    """Run the multi-process fault tests many times under extra CPU load (default: 20
+    runs, one busy-looping process); any failure is a bug. Arguments go to
+    ``tests/stress_campaign.py``, e.g. ``-- --runs 5 --hogs 2 -- -k kill``."""
+    session.install(*CONSTRAINTS, "-e", ".[test]", "numpy")
+    session.run("python", "tests/stress_campaign.py", *session.posargs)
 
 
 @nox.session(python=None)

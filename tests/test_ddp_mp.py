@@ -36,8 +36,8 @@ def test_bitwise_parity_with_ddp(mode: str, tmp_path: Path) -> None:
             assert v["module"] == "Sequential"
 
 
-# Every kind of fault runs in CI at one point of the step; the other point of each runs
-# with --run-slow (CI's 15 minutes on 2 cores are nearly spent).
+# Every kind of fault at one point of the step; the other point of each is marked slow
+# (skipped with --skip-slow; CI runs them all).
 _SLOW = pytest.mark.slow
 FAULTS = [
     pytest.param("kill", "forward", marks=_SLOW),

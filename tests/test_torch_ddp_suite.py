@@ -3,8 +3,8 @@
 The cases come from the torch wheel's ``torch/testing/_internal/distributed/distributed_test.py``
 (``DistributedTest._DistTestBase``, torch 2.13). ``CASES`` is every one of them that builds
 a DDP model (or, for the first, reads DDP's settings) and runs on gloo with CPU tensors:
-each passes with plain DDP on two ranks (``test_each_case_passes_with_ddp``, under
-``--run-slow``), and each must pass with ResilientDDP. Two of them (the
+each passes with plain DDP on two ranks (``test_each_case_passes_with_ddp``, marked
+slow), and each must pass with ResilientDDP. Two of them (the
 ``test_DistributedDataParallelCPU`` pair) ``torch.save`` the whole wrapper and load it back.
 
 Left out: the module's other DDP cases all need GPUs (``skip_if_no_gpu``,
