@@ -9,6 +9,7 @@ each rank ended.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -28,6 +29,12 @@ import torch.distributed as dist
 
 from . import _control as ctl
 from .errors import RankOutcome, SpawnError
+
+# Sent by the launcher to a rank it is about to kill: faulthandler prints every thread's
+# stack on the rank's stderr. A real-time signal, so that no handler of the user's is in
+# the way (the library's own verdict signal is SIGRTMIN+6).
+STACK_SIGNAL = signal.SIGRTMIN + 7
+_STACK_DUMP_S = 0.5  # time given to the dumps before SIGKILL
 
 __all__ = ["spawn"]
 
@@ -294,8 +301,23 @@ class _Job:
         return [c for c in self.conns if not c.closed]
 
     def reap(self) -> None:
-        """Kill what still runs, wait for every process and read what is left in the pipes."""
-        for rank, p in enumerate(self.procs):
+        """Kill what still runs, wait for every process and read what is left in the pipes.
+
+        A process still running is first asked for the stacks of its threads (on its
+        stderr): where it hangs is the first thing to know.
+        """
+        alive = [(rank, p) for rank, p in enumerate(self.procs) if p.is_alive()]
+        for rank, p in alive:
+            sys.stderr.write(
+                f"resilient_ddp.spawn: rank {rank} (pid {p.pid}) still runs at the deadline or "
+                "after the grace period; its threads, then SIGKILL:\n"
+            )
+            sys.stderr.flush()
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, STACK_SIGNAL)
+        if alive:
+            time.sleep(_STACK_DUMP_S)
+        for rank, p in alive:
             if p.is_alive():
                 self.killed.add(rank)
                 p.kill()
@@ -401,6 +423,8 @@ def _child_main(
     os.environ.clear()
     os.environ.update(env)
     faulthandler.enable()
+    # The launcher asks a process it is about to kill for its threads' stacks (reap).
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
     code = 0
     try:
         value = fn(rank, *args)
