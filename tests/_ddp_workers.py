@@ -204,13 +204,6 @@ def _copy_of(model: nn.Module, how: str) -> Any:
     raise ValueError(how)
 
 
-# Models of `copies`, never destructed: destroying the copies when the function returned
-# hung rank 0 in a C++ destructor about 1 run in 8 (main thread inside the frame's
-# teardown, no Python frame below it); an open bug, see the closing note of issue 13.
-# The process ends with os._exit (rd.spawn), which skips the destructors.
-_KEPT: list[Any] = []
-
-
 def copies(rank: int) -> dict[str, Any]:
     """Copy a trained ResilientDDP and a plain DDP trained alike, in each of the three ways
     torch users copy a DDP model; train the copies on; report how they compare.
@@ -229,7 +222,6 @@ def copies(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"steps_before": ours.resilience_stats["step"]}
     for how in ("pickle", "torch_save", "deepcopy"):
         mine, ref = _copy_of(ours, how), _copy_of(theirs, how)
-        _KEPT.extend((mine, ref))
         before = _params(ours)
         row: dict[str, Any] = {
             "type": type(mine).__name__,
@@ -252,7 +244,6 @@ def copies(rank: int) -> dict[str, Any]:
     _train(theirs, data[4:])
     out["original_trains_like_ddp"] = _same(_params(ours), _params(theirs))
     rd.destroy_process_group()
-    _KEPT.extend((ours, theirs))
     return out
 
 

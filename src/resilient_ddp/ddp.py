@@ -187,6 +187,25 @@ class ResilientDDP(DistributedDataParallel):
         DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
         _install_optimizer_hooks()
 
+    def __del__(self) -> None:
+        """Let the reducer and DDP's logger go before the process group.
+
+        Left to the interpreter, the attributes go in the order DDP set them: the process
+        group first, then the reducer, whose C++ destructor then drops the last reference
+        to the group with the GIL held. ``~ProcessGroupGloo`` joins its worker thread, and
+        a worker finishing a late op needs the GIL to free a tensor that Python saw: the
+        process froze when the function holding the model returned (about 1 run in 10 of
+        the slow-rank inference test, native stacks in the closing note of issue 18). The
+        reducer going first drops a reference that is not the last; the group then goes
+        through its Python handle, which releases the GIL while it waits for its threads.
+        """
+        try:
+            self._rd_release_stuck_reducer()
+            for name in ("logger", "reducer"):
+                self.__dict__.pop(name, None)
+        except Exception:  # noqa: BLE001 - a half-built model has nothing to release
+            pass
+
     # -- copies (pickle, torch.save, copy.deepcopy) ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """The picklable state: DDP's (without process group, reducer and logger), less
