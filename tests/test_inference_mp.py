@@ -238,7 +238,7 @@ def test_distributed_inference_names_a_stuck_rank_with_its_stack() -> None:
         v = outcomes[r].value
         assert isinstance(v, dict), format_outcomes(outcomes)
         assert v["type"] == "CollectiveTimeoutError", v
-        assert v["ranks"] == [2]
+        assert v["ranks"] == [2], (r, v["message"])
         assert "slow_data_loader" in v["stacks"][0]
         assert "phase 'inference'" in v["message"]
         assert v["elapsed"] < w.FAST["op_timeout"] + 2.0
