@@ -120,6 +120,11 @@ class Watchdog(threading.Thread):
     def tick(self) -> None:
         rt = self.rt
         self._beat += 1
+        # First, before any store round trip: an overrun section is reported with the
+        # stack of the main thread while it is still inside the section. (Checked after
+        # the round trips, a loaded machine let the section end first, and the stack
+        # showed its exit.)
+        self._check_section()
         self.control.publish_state(rt.rank, self._state())
         n_events, diag, states = self.control.poll(self.watched)
         if n_events != self._last_count:
@@ -144,7 +149,6 @@ class Watchdog(threading.Thread):
         self._check_heartbeats(states)
         rt.check_told()
         self._check_local_processes()
-        self._check_section()
         if rt.rank == 0 and time.monotonic() >= self._next_straggler_check:
             self._check_stragglers()
 
