@@ -210,6 +210,10 @@ def attach(
 def _join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:
     c = rt.control
     timeout = rt.config.init_timeout if timeout is None else timeout
+    # The watchdog's own connection, made and used once here, under the start-up budget:
+    # a new connection to a TCPStore sometimes answers its first calls only after about
+    # 5 s (see Runtime.connection), and a watchdog must never wait that long.
+    rt.connection("watchdog").event_count()
     c.publish_info(rt.rank, rt.identity)
     c.init_counters()
     c.publish_state(rt.rank, rt.snapshot(0))
