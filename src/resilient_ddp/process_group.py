@@ -269,11 +269,21 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
             abort_group()
             _abandoned.append((dist.group.WORLD, rt.stuck))
     if dist.is_initialized():
+        _retired.append(dist.group.WORLD)
         dist.destroy_process_group()
 
 
 # Groups (and their stuck works) abandoned after a failure; never destructed, see above.
 _abandoned: list[Any] = []
+# Every default group destroyed here, kept for the life of the process. Otherwise a DDP
+# model that outlives the group (plain DDP as well) drops the last reference when it
+# goes: its reducer's C++ destructor runs ~ProcessGroupGloo with the GIL held, which joins
+# the group's worker thread, and a worker freeing a late op's Python-visible tensor waits
+# for the GIL: the process froze when the function holding the model returned (gdb: main
+# thread in ~Reducer -> ~ProcessGroupGloo -> thread::join, pt_gloo_runloop in
+# ~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire). Costs one group's
+# sockets and threads per init/destroy cycle of a process.
+_retired: list[Any] = []
 
 
 def _detach(rt: Runtime) -> None:
