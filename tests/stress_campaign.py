@@ -4,7 +4,7 @@ The flakiness budget is zero: a test that fails once in twenty runs on a loaded 
 a bug (fix it, never retry). This script is how the runs are made::
 
     python3 -m nox -s stress -- --runs 20 --hogs 1
-    python tests/stress_campaign.py --runs 3 --hogs 2 -- -k "kill"
+    python tests/stress_campaign.py --runs 3 --hogs 2 --files tests/test_ddp_mp.py -- -k kill
 
 Each run is one pytest process over the fault test files (pytest options after ``--``).
 ``--hogs N`` busy-loops N extra processes for the whole campaign (``stress --cpu N``; on a
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--hogs", type=int, default=1, help="busy-looping processes")
     parser.add_argument("--out", type=Path, default=ROOT / "stress-results")
+    parser.add_argument(
+        "--files", nargs="+", default=list(FAULT_FILES), help="test files (default: all)"
+    )
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             xml.unlink(missing_ok=True)
             t0 = time.monotonic()
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-            cmd += [f"--junitxml={xml}", *FAULT_FILES, *args.pytest_args]
+            cmd += [f"--junitxml={xml}", *args.files, *args.pytest_args]
             with open(args.out / f"run{i:02d}.log", "w") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
             took = time.monotonic() - t0
