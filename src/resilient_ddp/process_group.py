@@ -281,8 +281,10 @@ _abandoned: list[Any] = []
 # the group's worker thread, and a worker freeing a late op's Python-visible tensor waits
 # for the GIL: the process froze when the function holding the model returned (gdb: main
 # thread in ~Reducer -> ~ProcessGroupGloo -> thread::join, pt_gloo_runloop in
-# ~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire). Costs one group's
-# sockets and threads per init/destroy cycle of a process.
+# ~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire). Released at exit by
+# _at_exit, while other threads can still take the GIL (during the interpreter's
+# finalization a gloo thread waiting for it is ended, and the process aborts). Costs one
+# group's sockets and threads per init/destroy cycle of a process.
 _retired: list[Any] = []
 
 
@@ -303,3 +305,4 @@ def _at_exit() -> None:
     rt = _runtime.current()
     if rt is not None:
         _detach(rt)
+    _retired.clear()  # what the models left of them is gone by now (see _retired)
