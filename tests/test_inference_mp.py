@@ -117,7 +117,13 @@ def test_gather_rank_killed_mid_stream_is_named_within_2s() -> None:
 
 def test_gather_memory_of_a_sending_rank_stays_near_its_own_data() -> None:
     mib = 96
-    ours = _values(w.gather_memory, 3, mib, 4, "ours")
+    # Cold ranks: a fork of the fork server starts from the server's heap and peak RSS,
+    # which blur a peak measured in MiB (37 MiB against the 24 MiB bound, once in CI).
+    outcomes = run_ranks(
+        w.gather_memory, 3, (mib, 4, "ours"), timeout=DEADLINE, start_method="spawn"
+    )
+    assert all(o.exitcode == 0 for o in outcomes), format_outcomes(outcomes)
+    ours = {o.rank: o.value for o in outcomes}
     # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece (and its pickle).
     assert ours[1] < 24, f"rank 1's peak grew by {ours[1]:.0f} MiB while sending {mib} MiB"
     # Rank 0 holds everyone's: at least the other two ranks' data.
