@@ -114,6 +114,10 @@ def train(
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             for ids in sampler:
+                # The epoch these ids were drawn from: a rank whose own reduction failed while
+                # the others committed the step takes their state over, sampler included,
+                # which may have moved on to the next epoch by the time the step is logged.
+                drawn_from = sampler.epoch
                 stats = model.resilience_stats
                 before = stats["step"]
                 # "full" and "after": fire only once the world is back to that size and that
@@ -152,7 +156,7 @@ def train(
                         json.dumps(
                             {
                                 "step": stats["step"],
-                                "epoch": sampler.epoch,
+                                "epoch": drawn_from,
                                 "uid": el_uid,
                                 "world": stats["world_size"],
                                 "ids": ids,
