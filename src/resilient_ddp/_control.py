@@ -20,8 +20,11 @@ store except :meth:`ControlPlane.wait_keys`, which is bounded.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Iterable, Sequence
@@ -34,6 +37,8 @@ from .errors import ControlPlaneError, Culprit
 
 __all__: list[str] = []
 
+log = logging.getLogger("resilient_ddp")
+
 # Event kinds. A "primary" event names a culprit; "left" is primary only for the ops after
 # the leaver's last one.
 EV_EXCEPTION = "exception"
@@ -44,9 +49,93 @@ EV_LEFT = "left"
 EV_SECTION = "section"  # a rank overran the budget of a section it declared
 
 
-def root_prefix(store: dist.Store) -> dist.Store:
-    """Return the library's namespace ``rd/`` inside ``store``."""
-    return dist.PrefixStore("rd", store)
+JOB_ENV = "RESILIENT_DDP_JOB_ID"
+SECRET_ENV = "RESILIENT_DDP_SECRET"
+# The job that last started on a store: where a joiner that was not told its job looks.
+CURRENT_JOB_KEY = "rd/current"
+_JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+_MAX_JOB_ID = 128
+
+
+def new_job_id() -> str:
+    """A fresh job id: 128 random bits, hex."""
+    return secrets.token_hex(16)
+
+
+def check_job_id(job_id: str) -> str:
+    """Return ``job_id`` if it is a valid job id (1-128 of ``[A-Za-z0-9._-]``).
+
+    Raises:
+        ConfigError: It is not.
+    """
+    if not job_id or len(job_id) > _MAX_JOB_ID or not set(job_id) <= _JOB_ID_CHARS:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"{JOB_ENV}={job_id!r} is not a valid job id: use 1 to {_MAX_JOB_ID} letters, "
+            "digits, '.', '_' or '-'"
+        )
+    return job_id
+
+
+def root_prefix(store: dist.Store, job_id: str) -> dist.Store:
+    """Return job ``job_id``'s namespace ``rd/<job_id>/`` inside ``store``: no key of one
+    job is ever read by another job that shares the store."""
+    return dist.PrefixStore(f"rd/{check_job_id(job_id)}", store)
+
+
+def serve_store(
+    host: str = "127.0.0.1", port: int = 0, timeout: timedelta = timedelta(seconds=300)
+) -> dist.TCPStore:
+    """Host a TCPStore that listens on ``host``'s address only (loopback by default).
+
+    torch's TCPStore server listens on every interface even when given ``127.0.0.1``
+    (FINDINGS): here a socket bound to ``host`` is handed to it (``master_listen_fd``). When
+    ``host`` is no address of this machine (a NAT, a name for another interface), the store
+    listens on every interface, as torch's does, and a warning says so.
+
+    Raises:
+        OSError: ``port`` is in use (``EADDRINUSE``).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        infos, sock = [], None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+            sock.listen(512)
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRINUSE:
+                raise
+            sock = None
+    if sock is None:
+        log.warning(
+            "resilient_ddp: the store cannot be bound to %s alone on this host; it listens on "
+            "every interface (anyone who reaches port %d can write to it)",
+            host,
+            port,
+        )
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    bound_port = int(sock.getsockname()[1])
+    fd = sock.detach()  # the store's server owns the socket from here on
+    try:
+        return dist.TCPStore(
+            host,
+            bound_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except (TypeError, RuntimeError, ValueError):  # pragma: no cover - older torch
+        os.close(fd)
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
 class ControlPlane:
@@ -280,7 +369,19 @@ def my_identity(rank: int) -> dict[str, Any]:
         "pid": pid,
         "start": process_start_time(pid),
         "boot": boot_id(),
+        "pidns": pid_namespace(),
     }
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace (``/proc/self/ns/pid``'s target), or "" if unknown.
+
+    Two processes on one host (same hostname and boot id) can see each other's pids only
+    when they share this: containers with host networking usually do not."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def culprit_from(

@@ -873,11 +873,15 @@ class Runtime:
         ]
 
     def is_local(self, rank: int) -> bool:
+        """Whether this process can see ``rank``'s process: same host (hostname and boot
+        id) and same PID namespace (containers with host networking share the first two,
+        not the last)."""
         info = self.infos.get(rank)
         return bool(
             info
             and info.get("boot") == self.identity["boot"]
             and info.get("host") == self.identity["host"]
+            and info.get("pidns", "") == self.identity.get("pidns", "")
             and info.get("start") is not None
         )
 

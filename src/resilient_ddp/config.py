@@ -220,7 +220,9 @@ class ResilienceConfig(_Model):
 
 
 # Variables under the prefix that belong to the launcher/runtime, not to the config.
-_IGNORED_ENV = frozenset({"store", "joiner", "uid", "fault", "allow_unsupported_torch"})
+_IGNORED_ENV = frozenset(
+    {"store", "joiner", "uid", "job_id", "secret", "fault", "allow_unsupported_torch"}
+)
 
 
 def _env_fields() -> dict[str, tuple[str, str]]:

@@ -788,7 +788,7 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     from .errors import PreflightError
     from .process_group import STORE_ENV, control_store
 
-    root = control_store(None)
+    root = control_store(None, joiner=True, timeout=timeout)
     uid = (
         int(os.environ[UID_ENV])
         if UID_ENV in os.environ

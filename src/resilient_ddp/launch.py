@@ -17,6 +17,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import secrets
 import signal
 import sys
 import time
@@ -153,8 +154,10 @@ class _Job:
         env: Mapping[str, str],
         restarts: int = 0,
     ) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.control_root = ctl.root_prefix(self.store)
+        # Loopback only: whoever reaches the store's port controls the job.
+        self.store = ctl.serve_store("127.0.0.1")
+        self.job_id = ctl.new_job_id()
+        self.control_root = ctl.root_prefix(self.store, self.job_id)
         self.fn, self.args, self.nprocs = fn, args, nprocs
         self.ctx: Any = mp.get_context(start_method)
         self.base_env = {
@@ -163,6 +166,9 @@ class _Job:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.store.port),
             "RESILIENT_DDP_STORE": f"127.0.0.1:{self.store.port}",
+            ctl.JOB_ENV: self.job_id,
+            # Joiners prove with it that they belong to the job (never stored in clear).
+            ctl.SECRET_ENV: secrets.token_hex(32),
             # Make env:// connect to our store as a client, as it does under torchrun.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0",

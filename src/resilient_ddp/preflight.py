@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import nccl_version
+from ._control import serve_store
 from .errors import PreflightError, format_rank_table
 
 __all__ = [
@@ -214,11 +215,16 @@ def _open_store(env: Environment, deadline: float, store_timeout: timedelta) -> 
         attempts += 1
         left = max(0.5, deadline - time.monotonic())
         try:
+            if host_store:
+                # Listens on MASTER_ADDR's interface only, not on every one.
+                return serve_store(
+                    env.master_addr, env.master_port, timedelta(seconds=min(left, 30.0))
+                )
             return dist.TCPStore(
                 env.master_addr,
                 env.master_port,
                 env.world_size,
-                is_master=host_store,
+                is_master=False,
                 timeout=timedelta(seconds=min(left, 30.0)),
                 wait_for_workers=False,
             )
