@@ -21,6 +21,7 @@ store except :meth:`ControlPlane.wait_keys`, which is bounded.
 from __future__ import annotations
 
 import errno
+import hmac
 import json
 import logging
 import os
@@ -78,10 +79,138 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-def root_prefix(store: dist.Store, job_id: str) -> dist.Store:
+class JobRoot(dist.PrefixStore):
+    """Job ``job_id``'s namespace ``rd/<job_id>/`` in a store, with the job's record key.
+
+    Attributes:
+        job_id: The job's id.
+        mac_key: 32 bytes derived from the job's secret (``RESILIENT_DDP_SECRET``), or None
+            when the job has none: then records are not authenticated.
+    """
+
+    def __init__(self, job_id: str, store: dist.Store, mac_key: bytes | None) -> None:
+        super().__init__(f"rd/{check_job_id(job_id)}", store)
+        self.job_id = job_id
+        self.mac_key = mac_key
+        self.base = store
+
+    def clone(self) -> JobRoot:
+        """The same namespace over a new connection (``Store.clone``) where the store has
+        one, else over the same connection."""
+        clone = getattr(self.base, "clone", None)
+        return JobRoot(self.job_id, clone() if clone is not None else self.base, self.mac_key)
+
+
+def root_prefix(store: dist.Store, job_id: str, secret: str | None = None) -> JobRoot:
     """Return job ``job_id``'s namespace ``rd/<job_id>/`` inside ``store``: no key of one
-    job is ever read by another job that shares the store."""
-    return dist.PrefixStore(f"rd/{check_job_id(job_id)}", store)
+    job is ever read by another job that shares the store.
+
+    Args:
+        store: The store.
+        job_id: The job's id (see :func:`check_job_id`).
+        secret: The job's secret; default ``RESILIENT_DDP_SECRET`` from the environment.
+            With one, every record the library writes carries a MAC keyed by it, and a
+            record without a valid one (written by a process outside the job) is ignored.
+            The secret itself is never written anywhere.
+    """
+    secret = os.environ.get(SECRET_ENV) if secret is None else secret
+    key = None
+    if secret:
+        key = hmac.new(secret.encode(), b"resilient_ddp/" + job_id.encode(), "sha256").digest()
+    return JobRoot(job_id, store, key)
+
+
+def mac_key(store: dist.Store) -> bytes | None:
+    """The record key of the job namespace ``store`` is (or is under), or None."""
+    seen = 0
+    while seen < 32:  # noqa: PLR2004 - a loop guard
+        if isinstance(store, JobRoot):
+            return store.mac_key
+        if not isinstance(store, dist.PrefixStore):
+            return None
+        store = store.underlying_store
+        seen += 1
+    return None
+
+
+# A record larger than this is cut (its longest text fields first) before it is written:
+# the store refuses values over 8 MiB, and that refusal would read as a lost store.
+MAX_RECORD_BYTES = 256 << 10
+_MAC_CHARS = 32
+
+
+def seal(key: bytes | None, name: str, obj: Any) -> str:
+    """The text stored for record ``obj`` under key ``name``: its JSON, size-capped, with
+    the MAC of ``name`` and the JSON in front when ``key`` is given."""
+    body = json.dumps(obj, separators=(",", ":"))
+    if len(body) > MAX_RECORD_BYTES:
+        body = json.dumps(_cap(obj, len(body) - MAX_RECORD_BYTES), separators=(",", ":"))
+    if key is None:
+        return body
+    return _mac(key, name, body) + " " + body
+
+
+def unseal(key: bytes | None, name: str, raw: bytes | str) -> Any:
+    """The record stored under ``name``, or None if it is not one the job wrote: not JSON,
+    or (with a key) without a valid MAC for ``name``."""
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        if key is not None:
+            mac, _, text = text.partition(" ")
+            if not hmac.compare_digest(mac, _mac(key, name, text)):
+                _note_rejected(name, "no valid MAC")
+                return None
+        return json.loads(text)
+    except (UnicodeDecodeError, ValueError):
+        _note_rejected(name, "not JSON")
+        return None
+
+
+def unseal_dict(key: bytes | None, name: str, raw: bytes | str) -> dict[str, Any] | None:
+    """:func:`unseal`, for records that must be JSON objects."""
+    obj = unseal(key, name, raw)
+    if obj is None or isinstance(obj, dict):
+        return obj
+    _note_rejected(name, "not an object")
+    return None
+
+
+def _mac(key: bytes, name: str, body: str) -> str:
+    msg = name.encode() + b"\0" + body.encode()
+    return hmac.new(key, msg, "sha256").hexdigest()[:_MAC_CHARS]
+
+
+_rejected: set[str] = set()
+
+
+def _note_rejected(name: str, why: str) -> None:
+    """Log once per key family that a record was ignored (another process writes to the
+    job's store: a stale client, a bug, or an attacker)."""
+    family = "/".join(p for p in name.split("/") if not p.lstrip("gr").isdigit())
+    if family not in _rejected:
+        _rejected.add(family)
+        log.warning(
+            "resilient_ddp: ignored a record under %r in the control-plane store (%s): a "
+            "process outside the job wrote to the job's store",
+            name,
+            why,
+        )
+
+
+def _cap(obj: Any, excess: int) -> Any:
+    """``obj`` with its longest strings shortened by about ``excess`` bytes in all."""
+    if not isinstance(obj, dict):
+        return {"truncated": True}
+    out = dict(obj)
+    for k in sorted(out, key=lambda k: -len(str(out[k]))):
+        v = out[k]
+        if excess <= 0:
+            break
+        text = v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+        keep = max(0, len(text) - excess - 64)
+        excess -= len(text) - keep
+        out[k] = text[:keep] + f"...[{len(text) - keep} bytes cut]"
+    return out
 
 
 def serve_store(
@@ -149,6 +278,7 @@ class ControlPlane:
         self.root = root
         self.generation = generation
         self.store: dist.Store = dist.PrefixStore(f"g{generation}", root)
+        self.key = mac_key(root)
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Bound every call of this control plane's connection (a call that gets no answer
@@ -159,7 +289,7 @@ class ControlPlane:
         """Return a control plane over a new connection to the same store."""
         clone = getattr(self.root, "clone", None)
         root = clone() if clone is not None else self.root
-        return ControlPlane(root, self.generation)
+        return ControlPlane(root, self.generation)  # a JobRoot's clone keeps its key
 
     # -- identity and heartbeats -------------------------------------------------------------
     def publish_info(self, rank: int, info: dict[str, Any]) -> None:
@@ -172,6 +302,8 @@ class ControlPlane:
         self._set(f"state/{rank}", state)
 
     def read_states(self, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """The heartbeat states of ``ranks``; a rank whose state is not a valid record
+        (another process overwrote it) is left out."""
         return self._multi_get_json([f"state/{r}" for r in ranks], ranks)
 
     def has_state(self, rank: int) -> bool:
@@ -196,8 +328,8 @@ class ControlPlane:
         the watched ranks."""
         keys = ["ev/n", "diag"] + [f"state/{r}" for r in watched]
         raw = self._call(self.store.multi_get, keys)
-        states = {r: json.loads(v) for r, v in zip(watched, raw[2:], strict=True)}
-        return int(raw[0]), int(raw[1]), states
+        states = self._parse(keys[2:], watched, raw[2:])
+        return _count(raw[0]), _count(raw[1]), states
 
     # -- events ------------------------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:
@@ -207,16 +339,19 @@ class ControlPlane:
     def post_events(self, events: Sequence[dict[str, Any]]) -> None:
         """Append events to the log in one append (a reader sees all of them or none),
         then bump the counter readers poll."""
-        lines = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events)
+        name = self._name("ev/log")
+        lines = "".join(seal(self.key, name, e) + "\n" for e in events)
         # Store.append exists on every store torch>=2.3 ships; the stubs omit it.
         self._call(getattr(self.store, "append"), "ev/log", lines)  # noqa: B009
         self._call(self.store.add, "ev/n", len(events))
 
     def read_events(self) -> list[dict[str, Any]]:
+        """The events posted so far, in order; a line that is not a valid record (another
+        process appended it) is skipped and logged once."""
         if not self._call(self.store.check, ["ev/log"]):
             return []
         raw = self._call(self.store.get, "ev/log")
-        return [json.loads(line) for line in raw.decode().splitlines() if line]
+        return read_log(self.key, self._name("ev/log"), raw)
 
     def event_count(self) -> int:
         return int(self._call(self.store.add, "ev/n", 0))
@@ -246,8 +381,12 @@ class ControlPlane:
         return self._multi_get_json(keys, ranks)
 
     # -- plumbing ----------------------------------------------------------------------------
+    def _name(self, key: str) -> str:
+        """``key``'s name under the job root (what a record's MAC covers)."""
+        return f"g{self.generation}/{key}"
+
     def _set(self, key: str, value: dict[str, Any]) -> None:
-        self._call(self.store.set, key, json.dumps(value, separators=(",", ":")))
+        self._call(self.store.set, key, seal(self.key, self._name(key), value))
 
     def _multi_get_json(
         self, keys: Sequence[str], ranks: Sequence[int]
@@ -255,7 +394,17 @@ class ControlPlane:
         if not keys:
             return {}
         raw = self._call(self.store.multi_get, list(keys))
-        return {r: json.loads(v) for r, v in zip(ranks, raw, strict=True)}
+        return self._parse(keys, ranks, raw)
+
+    def _parse(
+        self, keys: Sequence[str], ranks: Sequence[int], raw: Sequence[bytes]
+    ) -> dict[int, dict[str, Any]]:
+        out = {}
+        for key, r, v in zip(keys, ranks, raw, strict=True):
+            rec = unseal_dict(self.key, self._name(key), v)
+            if rec is not None:
+                out[r] = rec
+        return out
 
     @staticmethod
     def _call(fn: Any, *args: Any) -> Any:
@@ -268,6 +417,30 @@ class ControlPlane:
                 "hosting it (the launcher, torchrun's agent or rank 0) has probably died; "
                 "no rank can coordinate any more."
             ) from e
+
+
+def read_log(key: bytes | None, name: str, raw: bytes) -> list[dict[str, Any]]:
+    """The valid records of a JSON-lines log stored under ``name``, in order."""
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        text = raw.decode(errors="replace")
+    out = []
+    for line in text.splitlines():
+        if line:
+            rec = unseal_dict(key, name, line)
+            if rec is not None:
+                out.append(rec)
+    return out
+
+
+def _count(raw: bytes) -> int:
+    """A counter's value (``add``); garbage written over one reads as 0."""
+    try:
+        return int(raw)
+    except ValueError:
+        _note_rejected("counter", "not a number")
+        return 0
 
 
 # -- identity helpers -------------------------------------------------------------------------

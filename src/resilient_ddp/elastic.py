@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import time
@@ -335,13 +334,69 @@ def _gone(rt: Runtime) -> tuple[set[int], set[int]]:
 
 
 def _read_log(root: dist.Store, key: str) -> list[dict[str, Any]]:
+    """The valid records of the log ``key`` (a line another process wrote is skipped)."""
     if not root.check([key]):
         return []
-    return [json.loads(line) for line in root.get(key).decode().splitlines() if line]
+    return ctl.read_log(ctl.mac_key(root), key, root.get(key))
 
 
 def _append(root: dist.Store, key: str, value: dict[str, Any]) -> None:
-    getattr(root, "append")(key, json.dumps(value, separators=(",", ":")) + "\n")  # noqa: B009
+    line = ctl.seal(ctl.mac_key(root), key, value) + "\n"
+    getattr(root, "append")(key, line)  # noqa: B009
+
+
+def _put(root: dist.Store, key: str, value: Any) -> None:
+    """Write record ``value`` under ``key`` (sealed with the job's key, if any)."""
+    root.set(key, ctl.seal(ctl.mac_key(root), key, value))
+
+
+def _get(root: dist.Store, key: str) -> Any:
+    """The record under ``key``, or None if absent or not one the job wrote."""
+    if not root.check([key]):
+        return None
+    return ctl.unseal(ctl.mac_key(root), key, root.get(key))
+
+
+# A decision is taken once, with compare_set, in the first of these slots that holds no
+# garbage: a value another process planted in a slot cannot block the job's decision.
+_SLOTS = 4
+
+
+def _slot(key: str, i: int) -> str:
+    return key if i == 0 else f"{key}/{i}"
+
+
+def _read_decision(root: dist.Store, key: str) -> dict[str, Any] | None:
+    """The decision taken under ``key``, or None if none was taken yet."""
+    kk = ctl.mac_key(root)
+    for i in range(_SLOTS):
+        k = _slot(key, i)
+        if not root.check([k]):
+            return None
+        rec = ctl.unseal_dict(kk, k, root.get(k))
+        if rec is not None:
+            return rec
+    return None
+
+
+def _decide_once(root: dist.Store, key: str, value: dict[str, Any]) -> dict[str, Any]:
+    """Propose ``value`` as the decision under ``key``; return the decision taken (the
+    first proposal made, whoever made it).
+
+    Raises:
+        ControlPlaneError: Every slot holds garbage another process wrote.
+    """
+    kk = ctl.mac_key(root)
+    for i in range(_SLOTS):
+        k = _slot(key, i)
+        got = root.compare_set(k, "", ctl.seal(kk, k, value))
+        rec = ctl.unseal_dict(kk, k, got)
+        if rec is not None:
+            return rec
+    raise ControlPlaneError(
+        f"the control-plane store holds garbage in every slot of the decision {key!r}: a "
+        "process outside the job writes to its store"
+    )
 
 
 def _agree(
@@ -373,8 +428,9 @@ def _agree(
     silent_since: float | None = None
     decided = f"{base}/d"
     while True:
-        if root.check([decided]):
-            return json.loads(root.get(decided))  # type: ignore[no-any-return]
+        taken = _read_decision(root, decided)
+        if taken is not None:
+            return taken
         props = {p["rank"]: p for p in _read_log(root, f"{base}/log")}
         gone, dead = _gone(rt)
         waiting = [r for r in candidates if r not in props]
@@ -388,9 +444,7 @@ def _agree(
             or (silent_since is not None and now - silent_since >= grace)
             or now >= deadline
         ):
-            dec = _decide(rt, props, candidates, dead, basis)
-            root.compare_set(decided, "", json.dumps(dec))
-            continue
+            return _decide_once(root, decided, _decide(rt, props, candidates, dead, basis))
         if rt.watchdog is not None:
             rt.watchdog.poke()
         time.sleep(_POLL_S)
@@ -513,9 +567,7 @@ def _publish_members(rt: Runtime) -> None:
     """Rank 0 records who the members are, once a generation is complete (formed, state
     in sync, admissions confirmed): the launcher (rd.spawn) ends processes it removed."""
     if rt.rank == 0:
-        rt.control_root.set(
-            "members", json.dumps({"gen": rt.generation, "members": rt.elastic.members})
-        )
+        _put(rt.control_root, "members", {"gen": rt.generation, "members": rt.elastic.members})
 
 
 def _form_timeout(cfg: Any) -> float:
@@ -540,7 +592,7 @@ def _mark_ended(root: dist.Store, el: Elastic, why: str | None) -> None:
     """Tell waiting joiners that the job is over: it failed (``why``) or finished."""
     # Best effort: joiners also give up at their own timeout.
     with contextlib.suppress(Exception):
-        root.compare_set("ended", "", json.dumps({"step": el.committed, "failed": why}))
+        _decide_once(root, "ended", {"step": el.committed, "failed": why})
 
 
 def leave(rt: Runtime) -> None:
@@ -686,19 +738,19 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
     base = f"adm/g{adm['gen']}"
     result = f"{base}/result"
     if ok:
-        root.set(f"{base}/ok/{rank}", "1")
+        _put(root, f"{base}/ok/{rank}", {"ok": True})
     else:
-        root.compare_set(result, "", "fail")
+        _decide_once(root, result, {"ok": False})
     keys = [f"{base}/ok/{r}" for r in range(len(adm["members"]))]
     deadline = time.monotonic() + _form_timeout(rt.config)
-    while not root.check([result]):
-        if root.check(keys):
-            root.compare_set(result, "", "ok")
+    while (taken := _read_decision(root, result)) is None:
+        if root.check(keys) and all(_get(root, k) == {"ok": True} for k in keys):
+            _decide_once(root, result, {"ok": True})
         elif time.monotonic() >= deadline:
-            root.compare_set(result, "", "fail")
+            _decide_once(root, result, {"ok": False})
         else:
             time.sleep(_POLL_S)
-    return root.get(result) == b"ok"
+    return bool(taken.get("ok"))
 
 
 def _grow_decision(rt: Runtime, el: Elastic) -> bool:
@@ -716,8 +768,9 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     """
     root = rt.control_root
     key = f"grow/g{rt.generation}"
-    if root.check([key]):
-        el.grow = json.loads(root.get(key))
+    taken = _read_decision(root, key)
+    if taken is not None:
+        el.grow = taken
         return True
     n = int(root.add("join/n", 0))
     if el.acked != (rt.generation, n):
@@ -742,19 +795,21 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         "from": rt.generation,
         "members": el.members + pending,
     }
-    el.grow = json.loads(root.compare_set(key, "", json.dumps(dec)))
+    el.grow = _decide_once(root, key, dec)
     if el.grow == dec:
         for i, uid in enumerate(pending):
-            root.set(f"join/adm/{uid}", json.dumps({**dec, "rank": len(el.members) + i}))
+            _put(root, f"join/adm/{uid}", {**dec, "rank": len(el.members) + i})
     return True
 
 
 def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
     requests = _read_log(root, "join/log")
     el.joins_seen = len(requests)
-    out = []
+    out: list[int] = []
     for req in requests:
-        uid = int(req["uid"])
+        uid = _int_or(req.get("uid"), -1)
+        if uid < 0:
+            continue
         if uid in el.members or uid in out:
             continue
         if root.check([f"join/done/{uid}"]) or root.check([f"join/gone/{uid}"]):
@@ -817,8 +872,7 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
                 "recipe in the elastic training docs)",
                 problems=["joiner not admitted"],
             )
-        key = f"join/adm/{uid}"
-        adm = json.loads(root.get(key)) if root.check([key]) else None
+        adm = _get(root, f"join/adm/{uid}")
         if adm is None or adm["gen"] == tried_gen:
             time.sleep(0.01)
             continue
@@ -920,19 +974,27 @@ def _await_members(root: dist.Store, adm: dict[str, Any], deadline: float, uid: 
             return False
         # Generation numbers only grow: a newer one than the admission's base means the
         # members recovered from a failure instead of reaching the admission step.
-        current = int(root.get("gen")) if root.check(["gen"]) else 0
+        current = _int_or(root.get("gen"), 0) if root.check(["gen"]) else 0
         if current > int(adm["from"]) and current != gen:
             return False
         time.sleep(_POLL_S)
     return True
 
 
+def _int_or(raw: Any, default: int) -> int:
+    """``raw`` as an int, or ``default`` for garbage (another process wrote it)."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return default
+
+
 def _check_ended(root: dist.Store, uid: int) -> None:
-    if not root.check(["ended"]):
+    ended = _read_decision(root, "ended")
+    if ended is None:
         return
     from .errors import PreflightError
 
-    ended = json.loads(root.get("ended"))
     if ended["failed"]:
         raise PreflightError(
             f"this process (member id {uid}) was to join a job that failed before "

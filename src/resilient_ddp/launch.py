@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
-import json
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -156,8 +155,8 @@ class _Job:
     ) -> None:
         # Loopback only: whoever reaches the store's port controls the job.
         self.store = ctl.serve_store("127.0.0.1")
-        self.job_id = ctl.new_job_id()
-        self.control_root = ctl.root_prefix(self.store, self.job_id)
+        self.job_id, secret = ctl.new_job_id(), secrets.token_hex(32)
+        self.control_root = ctl.root_prefix(self.store, self.job_id, secret)
         self.fn, self.args, self.nprocs = fn, args, nprocs
         self.ctx: Any = mp.get_context(start_method)
         self.base_env = {
@@ -168,7 +167,7 @@ class _Job:
             "RESILIENT_DDP_STORE": f"127.0.0.1:{self.store.port}",
             ctl.JOB_ENV: self.job_id,
             # Joiners prove with it that they belong to the job (never stored in clear).
-            ctl.SECRET_ENV: secrets.token_hex(32),
+            ctl.SECRET_ENV: secret,
             # Make env:// connect to our store as a client, as it does under torchrun.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0",
@@ -292,7 +291,12 @@ class _Job:
         try:
             if not self.control_root.check(["members"]):
                 return
-            members = set(json.loads(self.control_root.get("members"))["members"])
+            record = ctl.unseal_dict(
+                self.control_root.mac_key, "members", self.control_root.get("members")
+            )
+            if record is None:
+                return
+            members = set(record["members"])
         except Exception:  # noqa: BLE001 - the store is ours; a failed read is retried
             return
         self.ever_member |= members
