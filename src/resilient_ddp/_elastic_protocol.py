@@ -1,0 +1,594 @@
+"""The pure decisions of elastic training: no store, no ``torch.distributed``, no runtime.
+
+:mod:`resilient_ddp.elastic` moves the records below through the control-plane store and
+acts on the decisions; everything here is a function of explicit inputs, so each rule can
+be tested with a table of cases.
+
+**Shrink.** Each survivor of generation ``N`` posts a :class:`Proposal`. Once
+:func:`should_decide` says so, any survivor computes :func:`decide_shrink` and the first
+``compare_set`` of its :meth:`ShrinkDecision.to_json` wins.
+
+**Grow.** Members acknowledge the join requests they saw (:func:`needs_ack`,
+:func:`ack_key`); once :func:`acks_complete`, the first member to see it computes
+:func:`decide_admission` over :func:`pending_joiners`.
+
+Claims are checked before they are believed (see :func:`decide_shrink`): a malformed
+proposal, one from a rank that is not a candidate, one whose member id another proposal
+also claims, or one whose step count is implausible never shapes the decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+__all__ = [
+    "Ack",
+    "Admission",
+    "Proposal",
+    "ShrinkDecision",
+    "ack_key",
+    "acks_complete",
+    "decide_admission",
+    "decide_shrink",
+    "needs_ack",
+    "parse_proposals",
+    "pending_joiners",
+    "should_decide",
+]
+
+Where = Literal["forward", "reduce"]
+Outcome = Literal["redo", "continue", "skip"]
+#: ``(old_world, new_world, committed)`` are passed after the candidate step ``at``.
+AdmissionStep = Callable[[int, int, int, int], int]
+
+_WHERES: tuple[str, ...] = ("forward", "reduce")
+_OUTCOMES: tuple[str, ...] = ("redo", "continue", "skip")
+
+
+def _is_int(value: object) -> bool:
+    """Whether ``value`` is an ``int`` proper (``bool`` is not a count or a rank)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(obj: Mapping[str, Any], key: str) -> int:
+    value = obj[key]
+    if not _is_int(value):
+        raise ValueError(f"{key!r} must be an int, got {value!r}")
+    return cast(int, value)
+
+
+def _ints(obj: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = obj[key]
+    if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+        raise ValueError(f"{key!r} must be a list of ints, got {value!r}")
+    return tuple(value)
+
+
+def _resolve(next_generation: Callable[[], int] | int) -> int:
+    return next_generation() if callable(next_generation) else next_generation
+
+
+# -- shrink ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Proposal:
+    """One survivor's proposal after a failure in generation ``N``.
+
+    Attributes:
+        rank: The proposer's rank in generation ``N``.
+        uid: Its member id (stable across generations).
+        committed: Gradient reductions it completed (optimizer steps applied).
+        where: ``"forward"`` (it failed at the start of a step's forward) or
+            ``"reduce"`` (in the step's gradient reduction).
+        grads: Whether it still holds its local gradients of the step in flight.
+    """
+
+    rank: int
+    uid: int
+    committed: int
+    where: Where
+    grads: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """The record :mod:`~resilient_ddp.elastic` appends to the round's log."""
+        return {
+            "rank": self.rank,
+            "uid": self.uid,
+            "committed": self.committed,
+            "where": self.where,
+            "grads": self.grads,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Proposal:
+        """The proposal in a record written by :meth:`to_json`.
+
+        Raises:
+            ValueError: The record is malformed (see :meth:`parse`).
+        """
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"a proposal is a mapping, got {type(obj).__name__}")
+        try:
+            rank, uid, committed = _int(obj, "rank"), _int(obj, "uid"), _int(obj, "committed")
+            where, grads = obj["where"], obj["grads"]
+        except KeyError as e:
+            raise ValueError(f"a proposal needs {e.args[0]!r}") from None
+        if rank < 0 or committed < 0:
+            raise ValueError(f"negative rank or step count in proposal {dict(obj)!r}")
+        if where not in _WHERES:
+            raise ValueError(f"'where' must be one of {_WHERES}, got {where!r}")
+        if not isinstance(grads, bool):
+            raise ValueError(f"'grads' must be a bool, got {grads!r}")
+        return cls(rank=rank, uid=uid, committed=committed, where=where, grads=grads)
+
+    @classmethod
+    def parse(cls, obj: object) -> Proposal | None:
+        """Like :meth:`from_json`, but ``None`` for a malformed record.
+
+        Malformed: not a mapping, a missing key, ``rank``/``uid``/``committed`` not an
+        ``int`` (a ``bool`` is not one), a negative ``rank`` or ``committed``, ``where``
+        other than ``"forward"``/``"reduce"``, or ``grads`` not a ``bool``.
+        """
+        if not isinstance(obj, Mapping):
+            return None
+        try:
+            return cls.from_json(obj)
+        except ValueError:
+            return None
+
+
+def parse_proposals(records: Iterable[object]) -> dict[int, Proposal]:
+    """The valid proposals in a round's log, by proposer rank.
+
+    Malformed records are dropped (:meth:`Proposal.parse`). An honest rank posts once per
+    round, so a second record under the same rank is not believed: the first one wins.
+    """
+    out: dict[int, Proposal] = {}
+    for record in records:
+        p = Proposal.parse(record)
+        if p is not None and p.rank not in out:
+            out[p.rank] = p
+    return out
+
+
+@dataclass(frozen=True)
+class ShrinkDecision:
+    """What every survivor of generation ``N`` does after a failure.
+
+    Attributes:
+        old_ranks: The next generation's members by their rank in generation ``N``, in
+            new-rank order.
+        lost: The ranks of generation ``N`` that are not members of the next one.
+        fail: Why training cannot go on (every survivor raises), or ``None``. When set,
+            only ``old_ranks`` and ``lost`` are meaningful.
+        gen: The next generation's number.
+        members: Member ids by new rank.
+        source: The new rank whose state every other member takes over.
+        outcome: For the step in flight: ``"redo"`` its reduction over the survivors,
+            ``"continue"`` it, or ``"skip"`` it everywhere.
+        sync: Whether the state must be sent from ``source`` (step counts differ).
+        committed: The step count every member has once in sync.
+    """
+
+    old_ranks: tuple[int, ...]
+    lost: tuple[int, ...]
+    fail: str | None = None
+    gen: int | None = None
+    members: tuple[int, ...] = ()
+    source: int | None = None
+    outcome: Outcome | None = None
+    sync: bool = False
+    committed: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The dict stored under the round's decision key (lists, not tuples).
+
+        A failed decision has only ``old_ranks``, ``lost`` and ``fail``, as
+        :mod:`~resilient_ddp.elastic` always wrote it.
+        """
+        out: dict[str, Any] = {
+            "old_ranks": list(self.old_ranks),
+            "lost": list(self.lost),
+            "fail": self.fail,
+        }
+        if self.fail is None:
+            out.update(
+                gen=self.gen,
+                members=list(self.members),
+                source=self.source,
+                outcome=self.outcome,
+                sync=self.sync,
+                committed=self.committed,
+            )
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ShrinkDecision:
+        """The decision in a dict written by :meth:`to_json`.
+
+        Raises:
+            ValueError: A key is missing or of the wrong type.
+        """
+        try:
+            old_ranks, lost, fail = _ints(obj, "old_ranks"), _ints(obj, "lost"), obj["fail"]
+            if fail is not None:
+                if not isinstance(fail, str):
+                    raise ValueError(f"'fail' must be a str or None, got {fail!r}")
+                return cls(old_ranks=old_ranks, lost=lost, fail=fail)
+            outcome, sync = obj["outcome"], obj["sync"]
+            if outcome not in _OUTCOMES:
+                raise ValueError(f"'outcome' must be one of {_OUTCOMES}, got {outcome!r}")
+            if not isinstance(sync, bool):
+                raise ValueError(f"'sync' must be a bool, got {sync!r}")
+            return cls(
+                old_ranks=old_ranks,
+                lost=lost,
+                gen=_int(obj, "gen"),
+                members=_ints(obj, "members"),
+                source=_int(obj, "source"),
+                outcome=outcome,
+                sync=sync,
+                committed=_int(obj, "committed"),
+            )
+        except KeyError as e:
+            raise ValueError(f"a shrink decision needs {e.args[0]!r}") from None
+
+
+def _plausible(proposals: list[Proposal], my_committed: int | None) -> list[Proposal]:
+    """The proposals whose step count is within one of the reference (see decide_shrink)."""
+    if my_committed is not None:
+        return [p for p in proposals if abs(p.committed - my_committed) <= 1]
+    out = []
+    for p in proposals:
+        others = sorted(q.committed for q in proposals if q is not p)
+        # The low median: with {n, n + 1, garbage} the honest ones see each other.
+        if not others or abs(p.committed - others[(len(others) - 1) // 2]) <= 1:
+            out.append(p)
+    return out
+
+
+def decide_shrink(
+    proposals: Mapping[int, Proposal],
+    *,
+    candidates: Collection[int],
+    dead: Collection[int],
+    generation: int,
+    world_size: int,
+    min_world_size: int,
+    next_generation: Callable[[], int] | int,
+    my_committed: int | None = None,
+) -> ShrinkDecision:
+    """The next generation from the proposals of the survivors of generation ``generation``.
+
+    Only believable proposals count; the others' ranks are lost like silent ones:
+
+    * a proposal filed under another rank than its own (``proposals[r].rank != r``), or
+      from a rank not in ``candidates``, is ignored;
+    * proposals that claim the same member id are all ignored (ids are unique; which
+      one is genuine cannot be told);
+    * honest step counts differ by at most one (no reduction completes anywhere before
+      every rank entered it), so a count more than one away from ``my_committed`` (the
+      deciding rank's own count, when given) is a garbage or inflated claim and ignored.
+      Without ``my_committed``, each count is compared with the low median of the
+      others' counts. A hostile ``committed=10**9`` thus never becomes the state source.
+
+    Then, as before: too few survivors (fewer than ``min_world_size``) or a minority of
+    ``world_size`` (exactly half only when every lost rank is in ``dead``) fail. Otherwise
+    the members are the proposers in old-rank order; the state source is the lowest rank
+    among those with the most commits; the step in flight is redone when every member is
+    in its reduction with its gradients and all counts agree, continued when every member
+    is at its forward and all counts agree, and skipped otherwise.
+
+    Args:
+        proposals: Proposals by proposer rank (see :func:`parse_proposals`).
+        candidates: Ranks of generation ``generation`` still taking part in this round.
+        dead: Ranks known dead (crashed, raised or left), not merely silent.
+        generation: The generation that failed (used in messages).
+        world_size: Its number of ranks.
+        min_world_size: The fewest ranks training goes on with.
+        next_generation: The next generation's number, or a function that draws it; it
+            is called only when the decision is not a failure.
+        my_committed: The deciding rank's own step count, the reference for plausibility.
+
+    Returns:
+        The decision; ``fail`` is set when training cannot go on.
+    """
+    believed = [p for r, p in proposals.items() if p.rank == r and r in candidates]
+    uids: dict[int, int] = {}
+    for p in believed:
+        uids[p.uid] = uids.get(p.uid, 0) + 1
+    believed = [p for p in believed if uids[p.uid] == 1]
+    by_rank = {p.rank: p for p in _plausible(believed, my_committed)}
+    ranks = sorted(by_rank)
+    n = len(ranks)
+    lost = [r for r in range(world_size) if r not in by_rank]
+    if n < min_world_size:
+        loss = f" the loss of rank(s) {lost}" if lost else ""
+        return ShrinkDecision(
+            old_ranks=tuple(ranks),
+            lost=tuple(lost),
+            fail=(
+                f"only {n} rank(s) survive{loss} in generation {generation}, fewer than "
+                f"min_world_size={min_world_size}: training cannot go on"
+            ),
+        )
+    if 2 * n < world_size or (2 * n == world_size and not set(lost) <= set(dead)):
+        return ShrinkDecision(
+            old_ranks=tuple(ranks),
+            lost=tuple(lost),
+            fail=(
+                f"only {n} of {world_size} ranks of generation {generation} reached the "
+                f"store together (lost: {lost}, not known dead): a minority does not go on "
+                "alone"
+            ),
+        )
+    props = [by_rank[r] for r in ranks]
+    top = max(p.committed for p in props)
+    source = next(i for i, p in enumerate(props) if p.committed == top)
+    same = all(p.committed == top for p in props)
+    wheres = {p.where for p in props}
+    outcome: Outcome
+    if same and wheres == {"reduce"} and all(p.grads for p in props):
+        outcome = "redo"
+    elif same and wheres == {"forward"}:
+        outcome = "continue"
+    else:
+        outcome = "skip"
+    return ShrinkDecision(
+        old_ranks=tuple(ranks),
+        lost=tuple(lost),
+        gen=_resolve(next_generation),
+        members=tuple(p.uid for p in props),
+        source=source,
+        outcome=outcome,
+        sync=not same,
+        committed=top,
+    )
+
+
+def should_decide(
+    *,
+    waiting: Collection[int],
+    gone: Collection[int],
+    dead: Collection[int],
+    recovering: bool | Callable[[], bool],
+    silent_since: float | None,
+    now: float,
+    grace: float,
+    deadline: float,
+) -> tuple[bool, float | None]:
+    """Whether a survivor stops waiting for proposals and decides now.
+
+    It decides when every rank it waits for is known dead (or none is left), when every
+    one of them is known gone (named by the watchdog) and none says it is recovering for
+    ``grace`` seconds in a row, or at ``deadline``. A rank a timeout named may only have
+    been slower to give up: the grace lets it propose.
+
+    Args:
+        waiting: Candidate ranks that have not proposed.
+        gone: Ranks the watchdog reported failed (dead or silent).
+        dead: Ranks known dead.
+        recovering: Whether one of the ``waiting`` ranks not known dead says, in its
+            heartbeat, that it is in recovery; a function is called only when needed.
+        silent_since: When the ``waiting`` ranks were first all gone and silent, as
+            returned by the previous call (``None`` on the first).
+        now: The current time (a monotonic clock, like ``deadline``).
+        grace: Seconds gone-and-silent ranks are waited for.
+        deadline: When the round decides whatever it has.
+
+    Returns:
+        ``(decide_now, silent_since)``: pass ``silent_since`` to the next call.
+    """
+    quiet = (
+        bool(waiting)
+        and all(r in gone for r in waiting)
+        and not (recovering() if callable(recovering) else recovering)
+    )
+    since = (now if silent_since is None else silent_since) if quiet else None
+    decide = (
+        all(r in dead for r in waiting)
+        or (since is not None and now - since >= grace)
+        or now >= deadline
+    )
+    return decide, since
+
+
+# -- grow --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ack:
+    """A member's acknowledgement of the join requests it saw.
+
+    Attributes:
+        generation: The member's generation when it acknowledged.
+        requests: How many join requests it had seen (the ``join/n`` counter).
+        rank: The member's rank in ``generation``.
+    """
+
+    generation: int
+    requests: int
+    rank: int
+
+    @property
+    def key(self) -> str:
+        """Its store key (:func:`ack_key`)."""
+        return ack_key(self.generation, self.requests, self.rank)
+
+
+def ack_key(generation: int, requests: int, rank: int) -> str:
+    """The store key under which ``rank`` acknowledges ``requests`` join requests in
+    ``generation``: an acknowledgement counts for that generation and count only."""
+    return f"grow/g{generation}/n{requests}/ack/{rank}"
+
+
+def needs_ack(acked: tuple[int, int], *, generation: int, requests: int) -> bool:
+    """Whether a member that last acknowledged ``acked`` (``(generation, requests)``, or
+    ``(-1, -1)`` for none) must acknowledge again: its generation or the number of
+    requests changed since."""
+    return acked != (generation, requests)
+
+
+def acks_complete(acks: Iterable[Ack], world: int, *, generation: int, requests: int) -> bool:
+    """Whether every rank of ``generation`` (``world`` ranks) acknowledged ``requests``.
+
+    A stale acknowledgement (another generation, or another number of requests: one more
+    arrived since) does not count, nor does one from a rank outside ``range(world)``.
+    """
+    ranks = {a.rank for a in acks if a.generation == generation and a.requests == requests}
+    return all(r in ranks for r in range(world))
+
+
+def pending_joiners(
+    requests: Iterable[Mapping[str, Any]],
+    members: Collection[int],
+    done: Container[int],
+    gone: Container[int],
+    tries: Mapping[int, int] | Callable[[int], int],
+    max_tries: int,
+) -> list[int]:
+    """The member ids of the join requests to admit now, in request order, once each.
+
+    A request is skipped when its id is a member already, was admitted once (``done``:
+    a member since, maybe gone), gave up (``gone``), or failed ``max_tries`` admissions
+    (``tries``; never arrived: dead or unreachable). A record without an integer ``uid``
+    is skipped. ``done``, ``gone`` and ``tries`` are asked, in that order, only about ids
+    still in question, so store-backed lazy lookups cost what they did.
+    """
+    out: list[int] = []
+    for req in requests:
+        raw = req.get("uid") if isinstance(req, Mapping) else None
+        if isinstance(raw, bool):
+            continue
+        try:
+            uid = int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue
+        if uid in members or uid in out or uid in done or uid in gone:
+            continue
+        count = tries(uid) if callable(tries) else tries.get(uid, 0)
+        if count >= max_tries:
+            continue
+        out.append(uid)
+    return out
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The members' decision to admit joiners.
+
+    Attributes:
+        at: The admission step: members admit at the first forward with at least ``at``
+            steps committed.
+        joiners: The joiners' member ids, in their new-rank order after the members.
+        gen: The grown generation's number.
+        from_gen: The generation the members are in (``"from"`` in JSON).
+        members: Member ids by new rank: the members, then the joiners.
+    """
+
+    at: int
+    joiners: tuple[int, ...]
+    gen: int
+    from_gen: int
+    members: tuple[int, ...]
+
+    @property
+    def old_world(self) -> int:
+        """How many ranks the generation had before the admission."""
+        return len(self.members) - len(self.joiners)
+
+    def rank_of(self, uid: int) -> int:
+        """The new rank of member id ``uid``.
+
+        Raises:
+            ValueError: ``uid`` is not a member of the grown generation.
+        """
+        return self.members.index(uid)
+
+    def to_json(self) -> dict[str, Any]:
+        """The dict stored under ``grow/g<from>`` (a joiner's copy adds its ``rank``)."""
+        return {
+            "at": self.at,
+            "joiners": list(self.joiners),
+            "gen": self.gen,
+            "from": self.from_gen,
+            "members": list(self.members),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Admission:
+        """The admission in a dict written by :meth:`to_json` (other keys are ignored).
+
+        Raises:
+            ValueError: A key is missing or of the wrong type.
+        """
+        try:
+            return cls(
+                at=_int(obj, "at"),
+                joiners=_ints(obj, "joiners"),
+                gen=_int(obj, "gen"),
+                from_gen=_int(obj, "from"),
+                members=_ints(obj, "members"),
+            )
+        except KeyError as e:
+            raise ValueError(f"an admission needs {e.args[0]!r}") from None
+
+
+def decide_admission(
+    *,
+    committed: int,
+    members: Sequence[int],
+    pending: Sequence[int],
+    next_generation: Callable[[], int] | int,
+    generation: int,
+    samplers_step: AdmissionStep | Iterable[AdmissionStep] | None,
+) -> Admission:
+    """The admission of ``pending`` joiners, decided by a member with ``committed`` steps.
+
+    The step is the decider's next step boundary, ``committed + 1``: no member can have
+    completed the step the decider is about to start, so every member (each acknowledged
+    and looks at every forward) reads the decision before it gets there. Each elastic
+    sampler may then move it later, to where the joiners get full slots
+    (``ElasticDistributedSampler._admission_step(at, old_world, new_world, committed)``),
+    applied in turn.
+
+    Args:
+        committed: The deciding member's committed step count.
+        members: The current generation's member ids by rank.
+        pending: The joiners to admit (:func:`pending_joiners`).
+        next_generation: The grown generation's number, or a function that draws it
+            (called once).
+        generation: The current generation.
+        samplers_step: One sampler's ``_admission_step``, several (applied in order), or
+            ``None``.
+
+    Raises:
+        ValueError: ``pending`` is empty or names a member, or a sampler moved the step
+            earlier (a member could be past it before it reads the decision).
+    """
+    if not pending:
+        raise ValueError("decide_admission: no joiner to admit")
+    if any(uid in members for uid in pending) or len(set(pending)) != len(pending):
+        raise ValueError(f"decide_admission: joiners {list(pending)} repeat or are members")
+    steps: Iterable[AdmissionStep]
+    if samplers_step is None:
+        steps = ()
+    elif callable(samplers_step):
+        steps = (samplers_step,)
+    else:
+        steps = samplers_step
+    world, new_world = len(members), len(members) + len(pending)
+    at = committed + 1
+    for step in steps:
+        moved = step(at, world, new_world, committed)
+        if moved < at:
+            raise ValueError(
+                f"decide_admission: a sampler moved the admission step {at} to {moved}"
+            )
+        at = moved
+    return Admission(
+        at=at,
+        joiners=tuple(pending),
+        gen=_resolve(next_generation),
+        from_gen=generation,
+        members=(*members, *pending),
+    )
