@@ -744,7 +744,14 @@ PENDING = [
     pytest.param(REQ, set(), set(), {1000004: 3}, [1000001, 1000002, 1000003], id="tries-used"),
     pytest.param(REQ, set(), set(), {1000004: 2}, [1000001, 1000002, 1000003, 1000004], id="tries"),
     pytest.param(
-        [{"host": "h"}, {"uid": "x"}, {"uid": None}, {"uid": True}, {"uid": "1000009"}],
+        [
+            {"host": "h"},
+            {"uid": "x"},
+            {"uid": None},
+            {"uid": True},
+            {"uid": -3},
+            {"uid": "1000009"},
+        ],
         set(),
         set(),
         {},

@@ -450,9 +450,9 @@ def pending_joiners(
 
     A request is skipped when its id is a member already, was admitted once (``done``:
     a member since, maybe gone), gave up (``gone``), or failed ``max_tries`` admissions
-    (``tries``; never arrived: dead or unreachable). A record without an integer ``uid``
-    is skipped. ``done``, ``gone`` and ``tries`` are asked, in that order, only about ids
-    still in question, so store-backed lazy lookups cost what they did.
+    (``tries``; never arrived: dead or unreachable). A record without a non-negative
+    integer ``uid`` is skipped. ``done``, ``gone`` and ``tries`` are asked, in that order,
+    only about ids still in question, so store-backed lazy lookups cost what they did.
     """
     out: list[int] = []
     for req in requests:
@@ -462,6 +462,8 @@ def pending_joiners(
         try:
             uid = int(raw)  # type: ignore[arg-type]
         except (TypeError, ValueError):
+            continue
+        if uid < 0:
             continue
         if uid in members or uid in out or uid in done or uid in gone:
             continue
