@@ -8,6 +8,13 @@ gone. It fails every pending op when a failure is reported and, with NCCL, abort
 communicator so that kernels stuck on a dead peer are released. It never waits on the store
 for a key that may not exist (that would flood logs and block shutdown), and stops within
 one interval when asked.
+
+It is never silent about its own errors. A record it reads that is not one the library
+writes (another process may write to the store) is skipped and logged once per kind. A tick
+that fails otherwise is logged and retried; after ``_MAX_TICK_ERRORS`` failed ticks in a row
+(a tick that succeeds starts the count again) the watchdog stops, and says so: the main
+thread gets a :class:`ControlPlaneError` naming the last error at its next op, as when the
+store is lost, and the peers are told this rank failed.
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ import time
 from typing import Any
 
 from . import _control as ctl
-from ._runtime import Runtime
-from .errors import ControlPlaneError
+from ._runtime import Runtime, qualname
+from .errors import ControlPlaneError, Culprit
 
 __all__: list[str] = []
 
@@ -27,6 +34,64 @@ log = logging.getLogger("resilient_ddp")
 
 _MAX_TICK_ERRORS = 5  # consecutive unexpected errors before the watchdog stops
 _STRAGGLER_STREAK = 3  # slow checks in a row before a rank is reported as a straggler
+
+# Fields that the code reading a record relies on, with the types it needs (a field may be
+# absent unless required). A record that breaks them is not one the library wrote.
+_NUMBER = (int, float)
+_CULPRIT_FIELDS: dict[str, Any] = {
+    "rank": int,
+    "pid": int,
+    "seq": int,
+    "step": int,
+    "state_age": _NUMBER,
+}
+_EVENT_FIELDS: dict[str, Any] = {"reporter": int, "final_seq": int}
+_TIMEOUT_FIELDS: dict[str, Any] = {"seq": int, "waited": _NUMBER, "culprits": list}
+_STATE_FIELDS: dict[str, Any] = {
+    "beat": int,
+    "seq": int,
+    "step": int,
+    "t": _NUMBER,
+    "status": str,
+}
+
+
+def _bad_field(record: dict[str, Any], types: dict[str, Any], required: tuple[str, ...]) -> str:
+    """The first field of ``record`` that is missing (of ``required``) or of the wrong
+    type, described; "" when there is none."""
+    for name in required:
+        if name not in record:
+            return f"no {name!r}"
+    for name, kind in types.items():
+        if name in record and not isinstance(record[name], kind):
+            return f"{name!r} is {type(record[name]).__name__}"
+    return ""
+
+
+def event_problem(ev: Any) -> str:
+    """Why ``ev``, read from the event log, is not an event the library posts ("" if it
+    is one): the code that takes it (``Runtime.record_events``, the errors built from it)
+    would fail on it."""
+    if not isinstance(ev, dict):
+        return f"a {type(ev).__name__}, not an object"
+    if not isinstance(ev.get("kind"), str):
+        return "no 'kind'"
+    problem = _bad_field(ev, _EVENT_FIELDS, ("reporter",))
+    if problem:
+        return problem
+    if ev["kind"] == ctl.EV_TIMEOUT:
+        problem = _bad_field(ev, _TIMEOUT_FIELDS, ("op", "seq", "waited"))
+        culprits = ev.get("culprits", [])
+    else:
+        problem = _bad_field(ev, {"rank": int, "culprit": dict}, ("rank", "culprit"))
+        culprits = [ev.get("culprit")]
+    for c in culprits:
+        if problem:
+            break
+        if not isinstance(c, dict):
+            return "a culprit that is not an object"
+        problem = _bad_field(c, _CULPRIT_FIELDS, ("rank",))
+    return problem
 
 
 class Watchdog(threading.Thread):
@@ -64,6 +129,16 @@ class Watchdog(threading.Thread):
         self._straggler_every = runtime.config.straggler_interval.total_seconds()
         self._next_straggler_check = time.monotonic() + self._straggler_every
         self._slow_streak: dict[int, int] = {}
+        # Failed ticks in a row (0 after a tick that succeeds), and the last error logged
+        # with its traceback (a repeat of it is logged in one line).
+        self.consecutive_errors = 0
+        self._last_logged: tuple[type, str] | None = None
+        # Why the watchdog stopped by itself (None while it runs, or when it was stopped).
+        self.stopped_error: ControlPlaneError | None = None
+        self._malformed_logged: set[str] = set()  # kinds of malformed record already logged
+        # Each watched rank's last well-formed state: a state overwritten with garbage
+        # does not hide that rank's silence.
+        self._good_states: dict[int, dict[str, Any]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     def stop(self, timeout: float | None = None) -> None:
@@ -92,29 +167,118 @@ class Watchdog(threading.Thread):
             self._poking = False
 
     def run(self) -> None:
-        errors = 0
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - never silent: the main thread is told
+            self._give_up(e, f"because its loop failed ({qualname(type(e))}: {e})", logged=False)
+
+    def _loop(self) -> None:
         self.rt.watchdog_tick = time.monotonic()
         while not self._stop_event.is_set():
             try:
                 self.tick()
-                if not self._stop_event.is_set():
-                    self.rt.watchdog_tick = time.monotonic()
-                errors = 0
             except ControlPlaneError as e:
                 if not self._stop_event.is_set():
                     log.error("rank %d: %s", self.rt.rank, e)
                     self.rt.on_control_plane_lost(e)
                     self._abort_backend()
                 return
-            except Exception:
-                # A silent watchdog would get this live rank declared dead: log and go on.
-                errors += 1
-                log.exception("rank %d: resilient_ddp watchdog tick failed", self.rt.rank)
-                if errors >= _MAX_TICK_ERRORS:
-                    log.error("rank %d: watchdog gives up after %d errors", self.rt.rank, errors)
+            except Exception as e:  # noqa: BLE001 - logged, counted, and told when it stops
+                if self._tick_failed(e):
                     return
+            else:
+                if self.consecutive_errors:
+                    log.warning(
+                        "rank %d: resilient_ddp watchdog tick succeeds again after %d failed",
+                        self.rt.rank,
+                        self.consecutive_errors,
+                    )
+                    self.consecutive_errors = 0
+            # A tick that returned, even with an error, is no stalled store (see
+            # Runtime.failed_for): repeated errors are told by _give_up, and accurately.
+            if not self._stop_event.is_set():
+                self.rt.watchdog_tick = time.monotonic()
             self._wake.wait(self.interval)
             self._wake.clear()
+
+    def _tick_failed(self, e: Exception) -> bool:
+        """Log a failed tick; whether the watchdog must stop (too many in a row)."""
+        self.consecutive_errors += 1
+        n = self.consecutive_errors
+        if self._stop_event.is_set():
+            log.debug("rank %d: watchdog tick failed while stopping", self.rt.rank, exc_info=e)
+            return False
+        if (type(e), str(e)) != self._last_logged:
+            self._last_logged = (type(e), str(e))
+            log.error(
+                "rank %d: resilient_ddp watchdog tick failed (%d in a row; it stops at %d)",
+                self.rt.rank,
+                n,
+                _MAX_TICK_ERRORS,
+                exc_info=e,
+            )
+        else:
+            log.error(
+                "rank %d: resilient_ddp watchdog tick failed again (%d in a row; it stops at "
+                "%d): %s: %s",
+                self.rt.rank,
+                n,
+                _MAX_TICK_ERRORS,
+                qualname(type(e)),
+                e,
+            )
+        if n < _MAX_TICK_ERRORS:
+            return False
+        self._give_up(e, f"after {n} failed ticks in a row, the last with {qualname(type(e))}: {e}")
+        return True
+
+    def _give_up(self, e: BaseException, why: str, *, logged: bool = True) -> None:
+        """Stop for good because of ``e``: tell the main thread (a ControlPlaneError at its
+        next op, pending ops failed now), the log (once) and the peers."""
+        rt = self.rt
+        if self._stop_event.is_set():
+            # Asked to stop meanwhile (the rank is shutting down): nothing is left to watch.
+            log.warning(
+                "rank %d: resilient_ddp watchdog failed while stopping",
+                rt.rank,
+                exc_info=None if logged else e,
+            )
+            return
+        host, pid = str(rt.identity.get("host", "?")), int(rt.identity.get("pid", 0))
+        what = f"stopped its watchdog {why}"
+        error = ControlPlaneError(
+            f"the resilient_ddp watchdog of rank {rt.rank} (host {host}) stopped {why}. Failure "
+            "detection is off on this rank: it publishes no heartbeat and notices no peer's "
+            "failure, so it cannot go on.",
+            culprits=[Culprit(rank=rt.rank, host=host, pid=pid, what=what)],
+            generation=rt.generation,
+        )
+        error.__cause__ = e
+        self.stopped_error = error
+        log.error("rank %d: %s", rt.rank, error, exc_info=None if logged else e)
+        try:
+            if rt.control_plane_error is None:  # a lost store, told first, stays the cause
+                rt.on_control_plane_lost(error)
+            self._tell_peers(e, what)
+        finally:
+            self._abort_backend()
+
+    def _tell_peers(self, e: BaseException, what: str) -> None:
+        """Report this rank failed (best effort): its main thread raises at its next op."""
+        rt = self.rt
+        try:
+            culprit = ctl.culprit_from(
+                rt.rank,
+                what=what,
+                info=rt.identity,
+                state=rt.snapshot(self._beat),
+                exc_type=qualname(type(e)),
+                exc_message=str(e),
+            )
+            if self.control.claim(rt.rank):
+                self._post(ctl.EV_EXCEPTION, rt.rank, culprit)
+        except Exception:  # best effort: the peers also see its heartbeat stop
+            log.warning("rank %d: could not report the stopped watchdog", rt.rank, exc_info=True)
 
     # -- one tick ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -127,12 +291,13 @@ class Watchdog(threading.Thread):
         self._check_section()
         self.control.publish_state(rt.rank, self._state())
         n_events, diag, states = self.control.poll(self.watched)
+        states = self._usable_states(states)
         if n_events != self._last_count:
             # A poster that died between appending its line and bumping ev/n leaves the
-            # counter behind the log for good: consume by lines, trigger on any change.
+            # counter behind the log for good: consume by records, trigger on any change.
             self._last_count = n_events
             events = self.control.read_events()
-            fresh = events[self._lines_seen :]
+            fresh = [ev for ev in events[self._lines_seen :] if self._is_event(ev)]
             self._lines_seen = len(events)
             before = (len(rt.failures), len(rt.left))
             rt.record_events(fresh)
@@ -151,6 +316,46 @@ class Watchdog(threading.Thread):
         self._check_local_processes()
         if rt.rank == 0 and time.monotonic() >= self._next_straggler_check:
             self._check_stragglers()
+
+    # -- records written by others ----------------------------------------------------------
+    def _malformed(self, kind: str, key: str, problem: str) -> None:
+        """Log (once per ``kind`` of record) that a record was skipped."""
+        if kind in self._malformed_logged:
+            return
+        self._malformed_logged.add(kind)
+        log.warning(
+            "rank %d: resilient_ddp watchdog skipped a malformed %s under %r in the "
+            "control-plane store (%s): another process wrote it; further ones are skipped "
+            "silently",
+            self.rt.rank,
+            kind,
+            key,
+            problem,
+        )
+
+    def _is_event(self, ev: Any) -> bool:
+        problem = event_problem(ev)
+        if problem:
+            self._malformed("event", "ev/log", problem)
+        return not problem
+
+    def _usable_states(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """The watched ranks' states, each malformed one (left out by the control plane,
+        or with a field of the wrong type) replaced by that rank's last good one."""
+        usable = {}
+        for r in self.watched:
+            s = states.get(r)
+            if s is not None:
+                problem = _bad_field(s, _STATE_FIELDS, ())
+                if not problem:
+                    usable[r] = self._good_states[r] = s
+                    continue
+                self._malformed("state", f"state/{r}", problem)
+            # Its beat did not change: its silence goes on being timed.
+            last = self._good_states.get(r)
+            if last is not None:
+                usable[r] = last
+        return usable
 
     def _state(self, *, with_stack: bool = False) -> dict[str, Any]:
         state = self.rt.snapshot(self._beat)

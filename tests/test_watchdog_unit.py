@@ -1,0 +1,301 @@
+"""The watchdog's own errors, in one process: its tick and loop run against a real in-process
+store (``HashStore``, and a ``TCPStore`` the watchdog reaches over its own connection) with
+rank 0 watching a rank 1 that only this test writes for.
+
+No test sleeps and hopes: a loop test waits for the watchdog thread to end (``join`` with a
+deadline), and the injected errors poke it so that each tick follows the last at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from resilient_ddp import _control as ctl
+from resilient_ddp import _runtime, watchdog
+from resilient_ddp._runtime import PendingOp, Runtime
+from resilient_ddp.config import ResilienceConfig
+from resilient_ddp.errors import ControlPlaneError, RankFailureError
+from resilient_ddp.watchdog import Watchdog, event_problem
+
+_JOIN_S = 30.0  # deadline for a watchdog thread that must end by itself (ends in < 1 s)
+
+
+@pytest.fixture(autouse=True)
+def _no_exit_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A recorded failure arms the process's exit guard (sys.exit replaced, os._exit at
+    # exit): right for a rank, wrong for the test process.
+    monkeypatch.setattr(_runtime, "arm_exit_guard", lambda: None)
+
+
+@pytest.fixture(params=["hash", "tcp"])
+def store(request: pytest.FixtureRequest) -> Iterator[dist.Store]:
+    if request.param == "hash":
+        yield dist.HashStore()
+    else:
+        yield ctl.serve_store("127.0.0.1")
+
+
+def _runtime_for(store: dist.Store) -> tuple[Runtime, Watchdog, ctl.ControlPlane]:
+    """Rank 0 of 2, attached to ``store``; rank 1 (on another host) is played by the test
+    through the returned control plane."""
+    config = ResilienceConfig(
+        heartbeat_interval=timedelta(milliseconds=20),
+        heartbeat_timeout=timedelta(seconds=30),
+        straggler_interval=timedelta(hours=1),
+    )
+    rt = Runtime(rank=0, world_size=2, backend="gloo", control_root=store, config=config)
+    peer = {"rank": 1, "host": "peer-host", "pid": 1, "start": None, "boot": "", "pidns": ""}
+    rt.infos = {0: dict(rt.identity), 1: peer}
+    rt.control.init_counters()
+    rt.control.publish_state(0, rt.snapshot(0))
+    other = ctl.ControlPlane(store, 0)
+    other.publish_state(1, {"rank": 1, "beat": 1, "status": "running", "t": time.time()})
+    wd = Watchdog(rt)
+    rt.watchdog = wd
+    assert wd.watched == [1]
+    return rt, wd, other
+
+
+def _pending(rt: Runtime, name: str = "all_reduce") -> PendingOp:
+    """An op the main thread waits on, as a collective registers it."""
+    p = PendingOp(name, rt.begin_op(name))
+    rt.register(p)
+    return p
+
+
+def _run_until_it_ends(wd: Watchdog) -> None:
+    wd.start()
+    try:
+        wd.join(_JOIN_S)
+        assert not wd.is_alive(), "the watchdog thread did not end"
+    finally:
+        wd.stop(5.0)
+
+
+def _crash(rank: int, reporter: int) -> dict[str, Any]:
+    return {
+        "kind": ctl.EV_CRASH,
+        "rank": rank,
+        "reporter": reporter,
+        "gen": 0,
+        "t": time.time(),
+        "culprit": ctl.culprit_from(rank, what="died (process 1 is gone)"),
+    }
+
+
+def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if text in r.getMessage()]
+
+
+# -- generic errors --------------------------------------------------------------------------
+def test_consecutive_errors_stop_the_watchdog_and_the_main_thread_gets_a_typed_error(
+    store: dist.Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="resilient_ddp")
+    rt, wd, other = _runtime_for(store)
+    calls = 0
+
+    def broken() -> None:  # the last step of every tick fails, with a bug's error
+        nonlocal calls
+        calls += 1
+        wd.poke()
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(rt, "check_told", broken)
+    p = _pending(rt)  # the main thread is inside a collective
+    _run_until_it_ends(wd)
+
+    assert calls == watchdog._MAX_TICK_ERRORS
+    assert p.event.is_set(), "the op in flight was not failed"
+    err = rt.control_plane_error
+    assert isinstance(err, ControlPlaneError)
+    assert err is wd.stopped_error
+    message = str(err)
+    assert "watchdog of rank 0" in message
+    assert f"after {watchdog._MAX_TICK_ERRORS} failed ticks in a row" in message
+    assert "ZeroDivisionError: boom" in message
+    assert "Failure detection is off on this rank" in message
+    assert isinstance(err.__cause__, ZeroDivisionError)
+    assert err.ranks == (0,)
+
+    # The main thread raises it at its next op, like any verdict.
+    rt.end_op()
+    with pytest.raises(ControlPlaneError, match="ZeroDivisionError: boom") as info:
+        rt.begin_op("broadcast")
+    assert info.value.__cause__ is err
+
+    # Logged once (and the first failed tick with its traceback, repeats in one line).
+    assert len(_messages(caplog, "stopped after")) == 1
+    assert len([r for r in caplog.records if r.exc_info]) == 1
+    assert len(_messages(caplog, "tick failed again")) == watchdog._MAX_TICK_ERRORS - 1
+
+    # The peers are told which rank failed and why.
+    events = other.read_events()
+    assert [(e["kind"], e["rank"]) for e in events] == [(ctl.EV_EXCEPTION, 0)]
+    assert "stopped its watchdog" in events[0]["culprit"]["what"]
+    assert events[0]["culprit"]["exc_type"] == "ZeroDivisionError"
+
+
+def test_transient_errors_that_recover_never_stop_the_watchdog(
+    store: dist.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt, wd, _ = _runtime_for(store)
+    runs = watchdog._MAX_TICK_ERRORS  # failed ticks then one that succeeds, per run
+    last = 3 * runs + 1
+    calls = 0
+    streaks: list[int] = []
+
+    def flaky() -> None:  # MAX-1 failed ticks, one good, three times; then stop
+        nonlocal calls
+        calls += 1
+        streaks.append(wd.consecutive_errors)
+        wd.poke()
+        if calls == last:
+            wd.stop()  # from the watchdog's own thread: does not wait for itself
+            return
+        if calls % runs:
+            raise ValueError("transient")
+
+    monkeypatch.setattr(rt, "check_told", flaky)
+    _run_until_it_ends(wd)
+
+    assert calls == last
+    assert max(streaks) == watchdog._MAX_TICK_ERRORS - 1
+    assert streaks[runs] == 0, "a tick that succeeded did not reset the count"
+    assert rt.control_plane_error is None
+    assert wd.stopped_error is None
+    assert wd.consecutive_errors == 0
+
+
+def test_a_failure_outside_the_tick_is_told_too(store: dist.Store) -> None:
+    rt, wd, _ = _runtime_for(store)
+
+    class BrokenEvent(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            raise RuntimeError("loop bug")
+
+    wd._wake = BrokenEvent()
+    _run_until_it_ends(wd)
+
+    err = rt.control_plane_error
+    assert isinstance(err, ControlPlaneError)
+    assert "its loop failed (RuntimeError: loop bug)" in str(err)
+    assert "Failure detection is off" in str(err)
+
+
+def test_a_lost_store_is_still_told_as_a_lost_store(
+    store: dist.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt, wd, _ = _runtime_for(store)
+    lost = ControlPlaneError("The control-plane store is unreachable (test)")
+
+    def unreachable(*args: Any) -> None:
+        raise lost
+
+    monkeypatch.setattr(wd.control, "publish_state", unreachable)
+    _run_until_it_ends(wd)
+    assert rt.control_plane_error is lost
+    assert wd.stopped_error is None
+
+
+# -- records another process wrote ------------------------------------------------------------
+def test_malformed_events_are_skipped_and_later_events_still_arrive(
+    store: dist.Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="resilient_ddp")
+    rt, wd, other = _runtime_for(store)
+    append = getattr(other.store, "append")  # noqa: B009 - missing from torch's stubs
+    wd.tick()
+    p = _pending(rt)
+
+    append("ev/log", "this is not JSON\n")
+    append("ev/log", '{"kind":"crash"}\n[1,2]\n{"kind":"crash","rank":1,"reporter":1}\n')
+    other.store.add("ev/n", 4)
+    wd.tick()  # raises nothing
+    assert rt.failures == []
+    assert not p.event.is_set()
+
+    other.post_events([_crash(1, reporter=1)])
+    append("ev/log", '{"kind":"timeout","reporter":1,"op":"x","seq":"y","waited":1}\n')
+    other.store.add("ev/n", 1)
+    wd.tick()
+    assert [(e["kind"], e["rank"]) for e in rt.failures] == [(ctl.EV_CRASH, 1)]
+    assert p.event.is_set(), "the op in flight was not failed"
+    err = rt.build_error(p.name, p.seq)
+    assert isinstance(err, RankFailureError)
+    assert err.ranks == (1,)
+
+    # Later valid events keep arriving; each kind of malformed record is logged once.
+    other.post_events([{**_crash(1, reporter=1), "kind": ctl.EV_LEFT, "final_seq": 0}])
+    wd.tick()
+    assert 1 in rt.left
+    assert len(_messages(caplog, "malformed event")) == 1
+    assert wd.consecutive_errors == 0
+
+
+def test_malformed_states_are_skipped_and_a_silent_rank_is_still_found(
+    store: dist.Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="resilient_ddp")
+    rt, wd, other = _runtime_for(store)
+    wd.tick()  # rank 1's beat 1 is seen
+
+    other.store.set("state/1", "garbage")  # not JSON: the control plane leaves it out
+    wd.tick()
+    other.publish_state(1, {"rank": 1, "beat": "many", "status": "running"})
+    wd.tick()
+    other.publish_state(1, {"rank": 1, "beat": 1, "status": ["running"]})
+    wd.tick()
+    assert len(_messages(caplog, "malformed state")) == 1
+    assert rt.failures == []
+
+    # Its last good beat is a minute old: it is reported, though its state is garbage.
+    beat, _ = wd._last_change[1]
+    wd._last_change[1] = (beat, time.monotonic() - 60.0)
+    other.store.set("state/1", "garbage")
+    wd.tick()  # posts the report
+    wd.tick()  # reads it back
+    assert [(e["kind"], e["rank"]) for e in rt.failures] == [(ctl.EV_UNRESPONSIVE, 1)]
+
+
+_CRASH = {"kind": "crash", "rank": 1, "reporter": 0}
+_TIMEOUT = {"kind": "timeout", "reporter": 0, "op": "x", "seq": 1, "waited": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("event", "problem"),
+    [
+        ("text", "a str, not an object"),
+        ({"rank": 1}, "no 'kind'"),
+        ({"kind": "crash", "rank": 1, "culprit": {"rank": 1}}, "no 'reporter'"),
+        (_CRASH, "no 'culprit'"),
+        ({**_CRASH, "culprit": {}}, "no 'rank'"),
+        ({**_CRASH, "rank": "1", "culprit": {"rank": 1}}, "'rank' is str"),
+        (
+            {**_CRASH, "kind": "left", "final_seq": "3", "culprit": {"rank": 1}},
+            "'final_seq' is str",
+        ),
+        ({**_TIMEOUT, "seq": None}, "'seq' is NoneType"),
+        ({**_TIMEOUT, "culprits": [3]}, "a culprit that is not an object"),
+        ({**_TIMEOUT, "culprits": [{"rank": 1, "step": "s"}]}, "'step' is str"),
+    ],
+)
+def test_event_problem_names_what_is_wrong(event: Any, problem: str) -> None:
+    assert event_problem(event) == problem
+
+
+def test_event_problem_accepts_what_the_library_posts() -> None:
+    culprit = ctl.culprit_from(1, what="x", state={"seq": 3, "step": 2, "t": time.time()})
+    assert event_problem(_crash(1, reporter=0)) == ""
+    timeout = {"kind": "timeout", "reporter": 0, "op": "all_reduce", "seq": 4, "waited": 2.5}
+    assert event_problem({**timeout, "culprits": [culprit], "cls": "timeout"}) == ""
+    left = {"kind": "left", "rank": 1, "reporter": 1, "final_seq": 3, "culprit": culprit}
+    assert event_problem({**left, "secondary": False}) == ""
