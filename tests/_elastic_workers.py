@@ -82,7 +82,7 @@ def state_hash(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-def train(
+def train(  # noqa: PLR0915 - one loop with its fault points
     rank: int,
     out_dir: str,
     faults: list[dict[str, Any]],
@@ -100,6 +100,7 @@ def train(
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(100, exit=True)
     rd.init_process_group("gloo", config=_cfg(**cfg))
+    _slow_sends(float(os.environ.get("RD_TEST_SLOW_SEND", "0")))
     el_uid = int(os.environ.get("RESILIENT_DDP_UID", rank))
     model = rd.ResilientDDP(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -211,6 +212,24 @@ def _arm(kind: str) -> None:
         return original(rt, *args, **kwargs)
 
     setattr(elastic, name, patched)
+
+
+def _slow_sends(seconds: float) -> None:
+    """The state source of an admission takes ``seconds`` longer to send the state to the
+    joiners (as a large state or a slow link would): it waits after the op's validation,
+    where the ranks that take no part in the transfer have gone on."""
+    from resilient_ddp import checkpoint
+
+    if not seconds:
+        return
+    original = checkpoint._broadcast
+
+    def patched(o: Any, state: Any, src: int, *args: Any) -> Any:
+        if args[-1] is not None and src == o.rt.rank:  # point to point (dsts), the sender
+            time.sleep(seconds)
+        return original(o, state, src, *args)
+
+    checkpoint._broadcast = patched  # type: ignore[assignment]
 
 
 def faults_seen(stats: dict[str, Any]) -> int:

@@ -25,10 +25,14 @@ enough only when the lost ranks are known dead, not merely silent) make every su
 the new group forms (or while state is sent) starts another round.
 
 **Grow.** A process started with ``RESILIENT_DDP_JOINER=1`` posts a join request. The
-members' watchdogs see it; each member then acknowledges at its next forward with its
-committed step count, and the first member that sees every acknowledgement fixes the
-admission step ``S = max(acks) + 2``: every member reads the decision before reaching
-``S``, because no rank can pass a reduction another has not entered. At the forward of
+members' watchdogs see it (an authenticated request: with a job secret, a request without a
+valid MAC is ignored); each member then acknowledges at its next forward, keyed by the
+generation and the number of requests it saw, and the first member that sees every
+acknowledgement fixes the admission step ``S``: its own next step boundary
+(``committed + 1``), moved later by elastic samplers to where the joiners get full slots.
+Every member reads the decision before reaching ``S``, because no rank can pass a
+reduction another has not entered. The pure decisions (shrink, admission, acks, pending
+joiners) live in :mod:`._elastic_protocol`. At the forward of
 step ``S`` the members and the joiners form the next generation and rank 0 sends the state.
 Healthy steps pay nothing for this: no store call, no vote, only a flag check.
 """
@@ -41,7 +45,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -49,6 +53,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from . import _control as ctl
+from . import _elastic_protocol as proto
 from ._runtime import RECOVERY_PHASE, Runtime
 from .errors import ControlPlaneError, RankFailureError
 
@@ -59,6 +64,9 @@ log = logging.getLogger("resilient_ddp")
 JOINER_ENV = "RESILIENT_DDP_JOINER"
 UID_ENV = "RESILIENT_DDP_UID"
 _POLL_S = 0.005
+# The heartbeat phase of a rank that sends or receives an admission's state: busy, not
+# missing, however long a large state takes.
+TRANSFER_PHASE = "state transfer"
 _MAX_JOIN_TRIES = 3  # admissions failed by a joiner itself before it gives up
 
 
@@ -112,6 +120,18 @@ class Elastic:
                 "why": why,
             }
         )
+
+
+@contextlib.contextmanager
+def _phase(rt: Runtime, name: str) -> Iterator[None]:
+    """Show ``name`` as this rank's phase in its heartbeats meanwhile."""
+    prev, rt.phase = rt.phase, name
+    if rt.watchdog is not None:
+        rt.watchdog.poke()
+    try:
+        yield
+    finally:
+        rt.phase = prev
 
 
 def live(refs: list[weakref.ReferenceType[Any]]) -> list[Any]:
@@ -409,17 +429,14 @@ def _agree(
     basis: tuple[int, int],
 ) -> dict[str, Any]:
     root = rt.control_root
-    _append(
-        root,
-        f"{base}/log",
-        {
-            "rank": rt.rank,
-            "uid": el.uid,
-            "committed": el.committed,
-            "where": where,
-            "grads": has_grads,
-        },
+    mine = proto.Proposal(
+        rank=rt.rank,
+        uid=el.uid,
+        committed=el.committed,
+        where="reduce" if where == "reduce" else "forward",
+        grads=has_grads,
     )
+    _append(root, f"{base}/log", mine.to_json())
     cfg = rt.config
     deadline = time.monotonic() + cfg.op_timeout.total_seconds()
     # A rank named by a timeout but not known dead may only have been slower to give up
@@ -431,20 +448,32 @@ def _agree(
         taken = _read_decision(root, decided)
         if taken is not None:
             return taken
-        props = {p["rank"]: p for p in _read_log(root, f"{base}/log")}
+        props = proto.parse_proposals(_read_log(root, f"{base}/log"))
         gone, dead = _gone(rt)
         waiting = [r for r in candidates if r not in props]
         now = time.monotonic()
-        if waiting and all(r in gone for r in waiting) and not _recovering(rt, waiting, dead):
-            silent_since = now if silent_since is None else silent_since
-        else:
-            silent_since = None
-        if (
-            all(r in dead for r in waiting)
-            or (silent_since is not None and now - silent_since >= grace)
-            or now >= deadline
-        ):
-            return _decide_once(root, decided, _decide(rt, props, candidates, dead, basis))
+        decide, silent_since = proto.should_decide(
+            waiting=waiting,
+            gone=gone,
+            dead=dead,
+            recovering=functools.partial(_recovering, rt, waiting, dead),
+            silent_since=silent_since,
+            now=now,
+            grace=grace,
+            deadline=deadline,
+        )
+        if decide:
+            dec = proto.decide_shrink(
+                props,
+                candidates=candidates,
+                dead=dead,
+                generation=basis[0],
+                world_size=basis[1],
+                min_world_size=cfg.min_world_size,
+                next_generation=functools.partial(_next_generation, rt),
+                my_committed=el.committed,
+            )
+            return _decide_once(root, decided, dec.to_json())
         if rt.watchdog is not None:
             rt.watchdog.poke()
         time.sleep(_POLL_S)
@@ -461,56 +490,6 @@ def _recovering(rt: Runtime, ranks: list[int], dead: set[int]) -> bool:
     except Exception:  # noqa: BLE001 - unreadable: decide on what is known
         return False
     return any(s.get("phase") == RECOVERY_PHASE for s in states.values())
-
-
-def _decide(
-    rt: Runtime,
-    props: dict[int, dict[str, Any]],
-    candidates: list[int],
-    dead: set[int],
-    basis: tuple[int, int],
-) -> dict[str, Any]:
-    """The decision from the proposals of ``candidates``, ranks of generation ``basis[0]``
-    of ``basis[1]`` ranks; ``dead``: ranks known dead, not merely silent."""
-    gen, world = basis
-    ranks = sorted(r for r in props if r in candidates)
-    n = len(ranks)
-    lost = [r for r in range(world) if r not in ranks]
-    dec: dict[str, Any] = {"old_ranks": ranks, "lost": lost, "fail": None}
-    need = rt.config.min_world_size
-    if n < need:
-        dec["fail"] = (
-            f"only {n} rank(s) survive {(lost and 'the loss of rank(s) ' + str(lost)) or ''} "
-            f"in generation {gen}, fewer than min_world_size={need}: training "
-            "cannot go on"
-        )
-        return dec
-    if 2 * n < world or (2 * n == world and not set(lost) <= dead):
-        dec["fail"] = (
-            f"only {n} of {world} ranks of generation {gen} reached the store "
-            f"together (lost: {lost}, not known dead): a minority does not go on alone"
-        )
-        return dec
-    counts = [int(props[r]["committed"]) for r in ranks]
-    top = max(counts)
-    source_old = min(r for r in ranks if int(props[r]["committed"]) == top)
-    same = len(set(counts)) == 1
-    wheres = {props[r]["where"] for r in ranks}
-    if same and wheres == {"reduce"} and all(props[r]["grads"] for r in ranks):
-        outcome = "redo"
-    elif same and wheres == {"forward"}:
-        outcome = "continue"
-    else:
-        outcome = "skip"
-    dec.update(
-        gen=_next_generation(rt),
-        members=[int(props[r]["uid"]) for r in ranks],
-        source=ranks.index(source_old),
-        outcome=outcome,
-        sync=not same,
-        committed=top,
-    )
-    return dec
 
 
 def _next_generation(rt: Runtime) -> int:
@@ -672,7 +651,8 @@ def maybe_admit(
     error: RankFailureError | None = None
     try:
         _form(rt, el, grow["gen"], grow["members"], list(range(before)))
-        _send_state(rt, 0, snapshot, to=list(range(before, rt.world_size)))
+        with _phase(rt, TRANSFER_PHASE):
+            _send_state(rt, 0, snapshot, to=list(range(before, rt.world_size)))
     except RankFailureError as e:
         error = e
     if not _admission_result(rt, grow, grow["members"].index(el.uid), ok=error is None):
@@ -746,11 +726,33 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
     while (taken := _read_decision(root, result)) is None:
         if root.check(keys) and all(_get(root, k) == {"ok": True} for k in keys):
             _decide_once(root, result, {"ok": True})
-        elif time.monotonic() >= deadline:
-            _decide_once(root, result, {"ok": False})
-        else:
+        elif time.monotonic() < deadline:
             time.sleep(_POLL_S)
+        elif ok and _transferring(rt, [r for r, k in enumerate(keys) if not root.check([k])]):
+            # The state source (or a joiner taking the state) is busy, not missing: a
+            # large state or a slow link takes longer than the form timeout. It is waited
+            # for while its heartbeat says so; one that dies or hangs is reported by the
+            # watchdogs (heartbeat_timeout), and its own transfer is bounded by op_timeout
+            # per chunk.
+            deadline = time.monotonic() + 0.1
+        else:
+            _decide_once(root, result, {"ok": False})
     return bool(taken.get("ok"))
+
+
+def _transferring(rt: Runtime, ranks: list[int]) -> bool:
+    """Whether every rank of ``ranks`` (this generation) is alive as far as the watchdogs
+    know and says in its heartbeat that it sends or receives the state."""
+    if not ranks:
+        return False
+    gone, _ = _gone(rt)
+    if any(r in gone for r in ranks):
+        return False
+    try:
+        states = rt.control.read_states(ranks)
+    except ControlPlaneError:
+        return False
+    return all(states.get(r, {}).get("phase") == TRANSFER_PHASE for r in ranks)
 
 
 def _grow_decision(rt: Runtime, el: Elastic) -> bool:
@@ -772,29 +774,27 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     if taken is not None:
         el.grow = taken
         return True
-    n = int(root.add("join/n", 0))
-    if el.acked != (rt.generation, n):
+    n = _int_or(root.add("join/n", 0), 0)
+    if proto.needs_ack(el.acked, generation=rt.generation, requests=n):
         if not _pending_joiners(root, el):
             el.join_seen = False  # nothing to admit (yet): the watchdog wakes us again
             return False
-        root.set(f"{key}/n{n}/ack/{rt.rank}", "1")
+        root.set(proto.ack_key(rt.generation, n, rt.rank), "1")
         el.acked = (rt.generation, n)
-    if not root.check([f"{key}/n{n}/ack/{r}" for r in range(rt.world_size)]):
+    if not root.check([proto.ack_key(rt.generation, n, r) for r in range(rt.world_size)]):
         return False
     pending = _pending_joiners(root, el)
     if not pending:
         el.join_seen = False
         return False
-    at = el.committed + 1
-    for s in el.live_samplers():
-        at = s._admission_step(at, rt.world_size, rt.world_size + len(pending), el.committed)
-    dec = {
-        "at": at,
-        "joiners": pending,
-        "gen": _next_generation(rt),
-        "from": rt.generation,
-        "members": el.members + pending,
-    }
+    dec = proto.decide_admission(
+        committed=el.committed,
+        members=el.members,
+        pending=pending,
+        next_generation=functools.partial(_next_generation, rt),
+        generation=rt.generation,
+        samplers_step=[s._admission_step for s in el.live_samplers()],
+    ).to_json()
     el.grow = _decide_once(root, key, dec)
     if el.grow == dec:
         for i, uid in enumerate(pending):
@@ -805,19 +805,26 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
 def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
     requests = _read_log(root, "join/log")
     el.joins_seen = len(requests)
-    out: list[int] = []
-    for req in requests:
-        uid = _int_or(req.get("uid"), -1)
-        if uid < 0:
-            continue
-        if uid in el.members or uid in out:
-            continue
-        if root.check([f"join/done/{uid}"]) or root.check([f"join/gone/{uid}"]):
-            continue  # admitted once (a member since, maybe gone), or gave up
-        if int(root.add(f"join/tries/{uid}", 0)) >= _MAX_JOIN_TRIES:
-            continue  # never arrived at its admissions: dead or unreachable
-        out.append(uid)
-    return out
+    return proto.pending_joiners(
+        requests,
+        el.members,
+        # admitted once (a member since, maybe gone), or gave up
+        _StoreFlags(root, "join/done/"),
+        _StoreFlags(root, "join/gone/"),
+        # never arrived at its admissions: dead or unreachable
+        lambda uid: _int_or(root.add(f"join/tries/{uid}", 0), 0),
+        _MAX_JOIN_TRIES,
+    )
+
+
+class _StoreFlags:
+    """``uid in flags``: whether the key ``<prefix><uid>`` exists (asked lazily)."""
+
+    def __init__(self, root: dist.Store, prefix: str) -> None:
+        self.root, self.prefix = root, prefix
+
+    def __contains__(self, uid: object) -> bool:
+        return bool(self.root.check([f"{self.prefix}{uid}"]))
 
 
 @_typed_store_errors("joining")
@@ -934,7 +941,10 @@ def _admit(
     try:
         _runtime.set_current(rt)
         _rebuild(rt, gen, rank, members)
-        state = send_state_dict(None, 0, list(range(n_old, len(members))), timeout=cfg.op_timeout)
+        with _phase(rt, TRANSFER_PHASE):
+            state = send_state_dict(
+                None, 0, list(range(n_old, len(members))), timeout=cfg.op_timeout
+            )
     except (RankFailureError, ControlPlaneError) as e:
         error = e
     if _admission_result(rt, adm, rank, ok=error is None):

@@ -1,0 +1,192 @@
+"""The control plane in the field: a hostile client on the job's store, a long-lived store
+shared by jobs one after another, stores bound to loopback, containers' PID namespaces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from resilient_ddp import _control as ctl
+from resilient_ddp.launch import launch
+from resilient_ddp.testing import format_outcomes, run_ranks
+
+from . import _elastic_workers as w
+from . import _hostile_workers as h
+from .test_elastic_mp import _check_job
+
+
+def test_a_hostile_client_without_the_secret_changes_nothing(tmp_path: Path) -> None:
+    """A process that reaches the job's store but lacks its secret forges failure events,
+    writes garbage over heartbeats and logs, plants garbage in decision slots, asks to join
+    and forges its admission and the job's end, for 4 s while 4 ranks train, then a rank is
+    killed and its replacement joins (the recovery reads the attacker's inflated proposals
+    and garbage decisions): no rank raises, nothing is admitted but the replacement, every
+    process holds the same state at every step and the data is exactly-once."""
+    faults = [{"uid": 2, "kind": "kill", "step": 60, "full": 4}]
+    outcomes = run_ranks(
+        h.train_beside_attacker,
+        4,
+        (str(tmp_path), faults, 30, 4.0),
+        timeout=timedelta(seconds=100),
+        restarts=1,
+    )
+    report = format_outcomes(outcomes)
+    attacker = json.loads((tmp_path / "attacker.json").read_text())
+    assert attacker["writes"] > 20, attacker  # it was busy all along
+    survivor = _check_job(outcomes, tmp_path, faults)
+    assert survivor["attacker_exit"] == 0, report
+    kinds = [e["kind"] for e in survivor["events"]]
+    assert kinds.count("shrink") == 1, survivor["events"]
+    joins = [e for e in survivor["events"] if e["kind"] == "join"]
+    assert [e["joiners"] for e in joins] == [[4]], survivor["events"]  # never uid 4242
+    shrink = next(e for e in survivor["events"] if e["kind"] == "shrink")
+    assert [c["rank"] for c in shrink["culprits"]] == [2], shrink
+
+
+def test_an_admission_whose_state_transfer_outlasts_the_form_timeout_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state source takes 3 s to send the state to a joiner (as a large state or a slow
+    link would), longer than the 2 s form timeout: the members that take no part in the
+    transfer wait while the source's heartbeat says it is sending, the joiner is admitted
+    at the first try and no member is removed."""
+    monkeypatch.setenv("RD_TEST_SLOW_SEND", "3")
+    faults = [{"uid": 2, "kind": "kill", "step": 20, "full": 4}]
+    outcomes = run_ranks(
+        w.train,
+        4,
+        (str(tmp_path), faults, 30, {}, 0.01),
+        timeout=timedelta(seconds=100),
+        restarts=1,
+    )
+    survivor = _check_job(outcomes, tmp_path, faults)
+    joins = [e for e in survivor["events"] if e["kind"] == "join"]
+    assert len(joins) == 1, survivor["events"]  # the first try
+    assert joins[0]["admission_s"] >= 3.0, joins  # longer than the 2 s form timeout
+    assert [h[1] for h in survivor["world_size_history"]] == [4, 3, 4], survivor
+
+
+def _failing_then_healthy(tmp_path: Path, store_addr: str) -> tuple[Any, Any]:
+    # Both jobs use the long-lived store for their control plane and get no job id from the
+    # launcher, as under the torchrun recipe: rank 0 draws it.
+    env = {"RESILIENT_DDP_STORE": store_addr, "RESILIENT_DDP_JOB_ID": ""}
+    first = tmp_path / "first"
+    first.mkdir()
+    # min_world_size=4 of 4: a lost rank fails the job for good (its end is recorded).
+    failing = launch(
+        w.train,
+        4,
+        (str(first), [{"uid": 2, "kind": "kill", "step": 5}], 3, {"min_world_size": 4}, 0.01),
+        timeout=timedelta(seconds=60),
+        start_method="spawn",
+        env=env,
+    )
+    second = tmp_path / "second"
+    second.mkdir()
+    faults = [{"uid": 1, "kind": "kill", "step": 20, "full": 4}]
+    healthy = launch(
+        w.train,
+        4,
+        (str(second), faults, 30, {}, 0.01),
+        timeout=timedelta(seconds=100),
+        start_method="spawn",
+        env=env,
+        restarts=1,
+    )
+    return failing, (healthy, second, faults)
+
+
+@pytest.mark.slow
+def test_a_second_job_on_a_long_lived_store_trains_normally(tmp_path: Path) -> None:
+    """A job fails for good on a long-lived store (its failure events, its recovery
+    decisions and its end stay there); a second job on the same store, with a rank killed
+    and a replacement that finds the job through the store, trains as if the store were
+    new: the first job's keys are never read."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    failing, (healthy, out_dir, faults) = _failing_then_healthy(tmp_path, f"127.0.0.1:{store.port}")
+    report = format_outcomes(failing)
+    raised = {o.rank: o.exc_type for o in failing if o.exc_type}
+    assert raised == dict.fromkeys((0, 1, 3), "resilient_ddp.RankFailureError"), report
+    survivor = _check_job(healthy, out_dir, faults)
+    assert [h[1] for h in survivor["world_size_history"]] == [4, 3, 4], survivor
+
+
+def test_stores_the_library_hosts_listen_on_their_address_only() -> None:
+    """torch's TCPStore listens on every interface even when given 127.0.0.1; the stores
+    of rd.spawn and of rank 0 under env:// listen on the address they were given."""
+    store = ctl.serve_store("127.0.0.1")
+    port = store.port
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    listening = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    local = [f for f in listening if f.endswith(f":{port}")]
+    assert local == [f"127.0.0.1:{port}"], listening
+    del client, store
+
+
+def test_records_are_authenticated_bound_to_their_key_and_size_capped() -> None:
+    """Sealed records open only with the job's key and under the key name they were
+    written to; garbage and forged lines are skipped; an oversized report is cut below
+    the store's limit instead of being refused."""
+    key = ctl.root_prefix(dist.HashStore(), "job1", "s3cret").mac_key
+    other = ctl.root_prefix(dist.HashStore(), "job2", "s3cret").mac_key
+    assert key is not None
+    assert other is not None
+    assert key != other
+    rec = {"kind": "crash", "rank": 1}
+    sealed = ctl.seal(key, "g0/ev/log", rec)
+    assert "s3cret" not in sealed
+    assert ctl.unseal(key, "g0/ev/log", sealed) == rec
+    assert ctl.unseal(key, "g1/ev/log", sealed) is None  # replayed under another key
+    assert ctl.unseal(other, "g0/ev/log", sealed) is None  # another job's key
+    assert ctl.unseal(key, "g0/ev/log", json.dumps(rec)) is None  # no MAC
+    assert ctl.unseal(None, "g0/ev/log", json.dumps(rec)) == rec  # a job without a secret
+    log = (sealed + "\n" + json.dumps(rec) + "\n\x00junk\n" + sealed + "\n").encode()
+    assert ctl.read_log(key, "g0/ev/log", log) == [rec, rec]
+    assert ctl.read_log(None, "g0/ev/log", b'{"a": 1}\nnot json\n[1]\n') == [{"a": 1}]
+    big = {"kind": "exception", "rank": 0, "traceback": "x" * (10 << 20)}
+    cut = ctl.unseal(key, "g0/ev/log", ctl.seal(key, "g0/ev/log", big))
+    assert cut["kind"] == "exception"
+    assert cut["rank"] == 0
+    assert len(json.dumps(cut)) <= ctl.MAX_RECORD_BYTES
+    assert cut["traceback"].endswith("bytes cut]")
+
+
+def test_a_peer_in_another_pid_namespace_is_never_judged_by_its_pid() -> None:
+    """Containers with host networking share the hostname and the boot id but not the
+    PID namespace: a peer's pid means nothing here, so it is not local."""
+    rt = _runtime_with_peer(pidns="pid:[4026531836]")
+    me = ctl.pid_namespace()
+    assert me, "this test needs /proc/self/ns/pid"
+    assert rt.is_local(1) is (me == "pid:[4026531836]")
+    rt.infos[1]["pidns"] = me
+    assert rt.is_local(1)
+    rt.infos[1]["pid"] = 2**22 + 7  # no such process here: gone, since it is local
+    assert rt.is_gone(1)
+    rt.infos[1]["pidns"] = "pid:[1]"
+    assert not rt.is_gone(1)  # another namespace: its pid is not ours to look up
+
+
+def _runtime_with_peer(*, pidns: str) -> Any:
+    from resilient_ddp._runtime import Runtime
+    from resilient_ddp.config import ResilienceConfig
+
+    rt = Runtime(
+        rank=0,
+        world_size=2,
+        backend="gloo",
+        control_root=ctl.root_prefix(dist.HashStore(), "unit"),
+        config=ResilienceConfig(),
+    )
+    peer = dict(rt.identity, rank=1, pid=1, pidns=pidns)
+    rt.infos = {0: dict(rt.identity), 1: peer}
+    return rt
