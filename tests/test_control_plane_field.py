@@ -190,3 +190,43 @@ def _runtime_with_peer(*, pidns: str) -> Any:
     peer = dict(rt.identity, rank=1, pid=1, pidns=pidns)
     rt.infos = {0: dict(rt.identity), 1: peer}
     return rt
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (print, ("this ran on unpickling",))
+
+
+def test_a_state_from_a_peer_is_unpickled_weights_only() -> None:
+    """Elastic training loads a peer's state as torch.load(weights_only=True) would: a
+    model's and an optimizer's state dicts (tensors, containers, numbers, dtypes, devices)
+    come through; an object whose unpickling would call a function is refused."""
+    import io
+    import pickle
+
+    import torch
+
+    from resilient_ddp._wire import dumps, loads
+    from resilient_ddp.checkpoint import _SkeletonPickler, _SkeletonUnpickler
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "meta": {"dtype": torch.float16, "device": torch.device("cpu"), "size": torch.Size([2])},
+    }
+    tensors: list[torch.Tensor] = []
+    buf = io.BytesIO()
+    _SkeletonPickler(buf, tensors).dump(state)
+    back = _SkeletonUnpickler(io.BytesIO(buf.getvalue()), tensors, True).load()
+    assert torch.equal(back["model"]["weight"], model.weight)
+    assert back["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert back["meta"] == state["meta"]
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print is not allowed"):
+        _SkeletonUnpickler(io.BytesIO(pickle.dumps({"x": _Evil()})), [], True).load()
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        loads(dumps([_Evil()]), weights_only=True)
+    assert loads(dumps([1, "a", (2.0,)]), weights_only=True) == [1, "a", (2.0,)]

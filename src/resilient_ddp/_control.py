@@ -340,7 +340,9 @@ class ControlPlane:
         """Append events to the log in one append (a reader sees all of them or none),
         then bump the counter readers poll."""
         name = self._name("ev/log")
-        lines = "".join(seal(self.key, name, e) + "\n" for e in events)
+        # Starts on a line of its own: a line another process appended without its newline
+        # must not swallow this one.
+        lines = "\n" + "".join(seal(self.key, name, e) + "\n" for e in events)
         # Store.append exists on every store torch>=2.3 ships; the stubs omit it.
         self._call(getattr(self.store, "append"), "ev/log", lines)  # noqa: B009
         self._call(self.store.add, "ev/n", len(events))

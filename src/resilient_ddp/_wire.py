@@ -24,9 +24,60 @@ def dumps(obj: Any, *, compact_tensors: bool = False) -> torch.Tensor:
     return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
 
 
-def loads(t: torch.Tensor) -> Any:
-    """The object pickled into the ``uint8`` tensor ``t``."""
+def loads(t: torch.Tensor, *, weights_only: bool = False) -> Any:
+    """The object pickled into the ``uint8`` tensor ``t``.
+
+    Args:
+        t: The bytes.
+        weights_only: Unpickle only what a state dict holds (see :class:`SafeUnpickler`),
+            as ``torch.load(weights_only=True)`` does.
+
+    Raises:
+        pickle.UnpicklingError: With ``weights_only``, the bytes name another type.
+    """
+    if weights_only:
+        return SafeUnpickler(io.BytesIO(bytes(buffer_of(t)))).load()
     return pickle.loads(buffer_of(t))  # noqa: S301 - the peers of one job
+
+
+# What a state dict (model, optimizer, scheduler, sampler) is made of, besides tensors.
+_SAFE_GLOBALS = frozenset(
+    [("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float")]
+    + [("builtins", n) for n in ("complex", "bool", "str", "bytes", "bytearray", "slice")]
+    + [("builtins", "range"), ("collections", "OrderedDict"), ("torch", "Size")]
+    + [("torch", "device"), ("torch._utils", "_rebuild_tensor_v2")]
+)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler that builds containers, numbers, strings, ``torch.Size``,
+    ``torch.device``, dtypes and the globals allowed by
+    ``torch.serialization.add_safe_globals``, and refuses anything else (an arbitrary
+    callable in the stream could run code: the ``weights_only`` rule of ``torch.load``).
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS or _is_dtype(module, name) or _user_safe(module, name):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"weights_only: {module}.{name} is not allowed in a state received from a peer; "
+            "if your state holds it and you trust it, allow it with "
+            f"torch.serialization.add_safe_globals([{module}.{name}])"
+        )
+
+
+def _is_dtype(module: str, name: str) -> bool:
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _user_safe(module: str, name: str) -> bool:
+    for entry in torch.serialization.get_safe_globals():
+        obj = entry[0] if isinstance(entry, tuple) else entry
+        label = entry[1] if isinstance(entry, tuple) else None
+        qual = label or f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+        if qual == f"{module}.{name}":
+            return True
+    return False
 
 
 def buffer_of(t: torch.Tensor) -> Any:

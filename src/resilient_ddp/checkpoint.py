@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import comm_device
-from ._wire import dumps, loads
+from ._wire import SafeUnpickler, dumps, loads
 from .collectives import Duration, _Op, _sig
 from .errors import CollectiveMismatchError, ConfigError, Culprit, RankFailureError
 from .process_group import ensure_runtime
@@ -41,6 +41,7 @@ def broadcast_state_dict(
     device: torch.device | str | None = None,
     timeout: Duration = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    weights_only: bool = False,
 ) -> Any:
     """Send ``src``'s state dict (or any nest of tensors and picklable objects) to every rank.
 
@@ -58,6 +59,10 @@ def broadcast_state_dict(
             needs while chunks keep moving.
         chunk_bytes: Size of one chunk of tensor data, in bytes (default 64 MiB): the extra
             memory ``src`` uses to send.
+        weights_only: The receivers rebuild only tensors, containers, numbers, strings,
+            ``torch.Size``/``device``/dtypes and what ``torch.serialization
+            .add_safe_globals`` allows, as ``torch.load(weights_only=True)``; anything else
+            raises ``pickle.UnpicklingError`` there. Elastic training sends its state so.
 
     Returns:
         On ``src``, ``state_dict`` itself. Elsewhere, an equal structure whose tensors hold
@@ -81,7 +86,7 @@ def broadcast_state_dict(
         raise ConfigError(f"chunk_bytes should be positive, got {chunk_bytes}")
     o = _Op("broadcast_state_dict", None, timeout, None, 1, True)
     return o.run(
-        lambda: _broadcast(o, state_dict, src, device, chunk_bytes, None),
+        lambda: _broadcast(o, state_dict, src, device, chunk_bytes, None, weights_only),
         signature=lambda: _sig("broadcast_state_dict", src=src),
     )
 
@@ -93,12 +98,13 @@ def send_state_dict(
     *,
     timeout: Duration = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    weights_only: bool = False,
 ) -> Any:
     """:func:`broadcast_state_dict` to the ranks ``dsts`` only, point to point: ``src``
     sends the bytes once to each of them and the other ranks take no part in the transfer
     (elastic training hands its state to joiners so). Every rank of the default group
     calls it, in the same order as its other ops (it counts as one op everywhere).
-    ``timeout`` and ``chunk_bytes`` are :func:`broadcast_state_dict`'s.
+    ``timeout``, ``chunk_bytes`` and ``weights_only`` are :func:`broadcast_state_dict`'s.
 
     Returns:
         On ``src``, ``state_dict``; on a rank of ``dsts``, the received copy (as
@@ -110,7 +116,7 @@ def send_state_dict(
     """
     o = _Op("send_state_dict", None, timeout, None, 1, True)
     return o.run(
-        lambda: _broadcast(o, state_dict, src, None, chunk_bytes, sorted(dsts)),
+        lambda: _broadcast(o, state_dict, src, None, chunk_bytes, sorted(dsts), weights_only),
         signature=lambda: _sig("send_state_dict", src=src),
     )
 
@@ -200,6 +206,7 @@ def _broadcast(
     device: torch.device | str | None,
     chunk_bytes: int,
     dsts: list[int] | None,
+    weights_only: bool = False,
 ) -> Any:
     """``state`` from ``src`` to every rank, or to the ranks ``dsts`` point to point."""
     comm = comm_device(None)
@@ -250,7 +257,7 @@ def _broadcast(
     meta_buf = meta.to(comm) if is_src else torch.empty(int(size), dtype=torch.uint8, device=comm)
     send(meta_buf)
     o.renew()
-    skeleton, specs, total, chunk = loads(meta_buf)
+    skeleton, specs, total, chunk = loads(meta_buf, weights_only=True)
     # 2. The tensors' bytes as one stream, chunk by chunk. Receivers take each chunk into
     # their final buffer on ``device`` (straight, or through a staging buffer on the
     # communication device when that differs); src copies one chunk at a time.
@@ -275,7 +282,7 @@ def _broadcast(
         flat[off : off + nbytes].view(getattr(torch, dtype)).reshape(shape)
         for dtype, shape, off, nbytes in specs
     ]
-    return _SkeletonUnpickler(io.BytesIO(skeleton), rebuilt).load()
+    return _SkeletonUnpickler(io.BytesIO(skeleton), rebuilt, weights_only).load()
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
@@ -324,10 +331,16 @@ class _SkeletonPickler(pickle.Pickler):
         return None
 
 
-class _SkeletonUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+class _SkeletonUnpickler(SafeUnpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], weights_only: bool) -> None:
         super().__init__(file)
         self.tensors = tensors
+        self.weights_only = weights_only
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.weights_only:
+            return super().find_class(module, name)
+        return pickle.Unpickler.find_class(self, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         return self.tensors[int(pid)]

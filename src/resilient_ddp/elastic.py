@@ -613,10 +613,12 @@ def _send_state(
 
     payload = snapshot() if rt.rank == src else None
     timeout = rt.config.op_timeout
+    # The receivers unpickle only what a state dict is made of: a peer's state never runs
+    # code here.
     if to is not None:
-        send_state_dict(payload, src, to, timeout=timeout)
+        send_state_dict(payload, src, to, timeout=timeout, weights_only=True)
         return
-    got = broadcast_state_dict(payload, src=src, timeout=timeout)
+    got = broadcast_state_dict(payload, src=src, timeout=timeout, weights_only=True)
     if rt.rank != src and load is not None:
         load(got)
 
@@ -943,7 +945,7 @@ def _admit(
         _rebuild(rt, gen, rank, members)
         with _phase(rt, TRANSFER_PHASE):
             state = send_state_dict(
-                None, 0, list(range(n_old, len(members))), timeout=cfg.op_timeout
+                None, 0, list(range(n_old, len(members))), timeout=cfg.op_timeout, weights_only=True
             )
     except (RankFailureError, ControlPlaneError) as e:
         error = e
