@@ -587,7 +587,7 @@ def _sampler(pos: int | None) -> Callable[[int, int, int, int], int]:
     if pos is not None:
         s._start(0)
         s._pos = pos
-    return s._admission_step
+    return s.admission_step
 
 
 def _fixed(result: int) -> Callable[[int, int, int, int], int]:

@@ -19,6 +19,7 @@ from .collectives import (
 )
 from .config import ResilienceConfig, RetryPolicy, get_config, set_config
 from .ddp import ResilientDDP
+from .elastic import ElasticParticipant, register_elastic_participant
 from .elastic_sampler import ElasticDistributedSampler
 from .errors import (
     CollectiveMismatchError,
@@ -49,6 +50,7 @@ __all__ = [
     "ControlPlaneError",
     "Culprit",
     "ElasticDistributedSampler",
+    "ElasticParticipant",
     "LockstepBatchSampler",
     "PreflightError",
     "RankFailureError",
@@ -75,6 +77,7 @@ __all__ = [
     "is_initialized",
     "load_and_broadcast",
     "phase",
+    "register_elastic_participant",
     "section",
     "set_config",
     "spawn",

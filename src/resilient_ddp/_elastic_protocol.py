@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 __all__ = [
     "Ack",
     "Admission",
+    "ElasticParticipant",
     "Proposal",
     "ShrinkDecision",
     "ack_key",
@@ -45,6 +46,42 @@ AdmissionStep = Callable[[int, int, int, int], int]
 
 _WHERES: tuple[str, ...] = ("forward", "reduce")
 _OUTCOMES: tuple[str, ...] = ("redo", "continue", "skip")
+
+
+@runtime_checkable
+class ElasticParticipant(Protocol):
+    """An object whose state follows the job's committed steps, as a data sampler's
+    position does (:class:`resilient_ddp.ElasticDistributedSampler` is one).
+
+    Register one with :func:`resilient_ddp.register_elastic_participant` on every rank, in
+    the same order. Elastic training (``on_failure="shrink"``) then calls, on the training
+    thread, between steps or during a recovery or admission:
+
+    * :meth:`on_step_committed` when a gradient reduction completed, with the member ids
+      whose gradients it holds (the others' work of that step is to be done again);
+    * :meth:`on_step_discarded` when the step in flight is discarded on every member;
+    * :meth:`admission_step` when members decide at which step joiners come in: return
+      ``at`` or a later step (never earlier);
+    * :meth:`on_admission` at that step, with the joiners' member ids; what it returns is
+      passed to :meth:`on_admission_failed` if the admission is undone;
+    * :meth:`state_dict` on the state source, and :meth:`load_state_dict` on the ranks that
+      take its state over (survivors out of step, and joiners). The state travels
+      ``weights_only``: plain containers, numbers, strings and tensors.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def on_step_committed(self, contributors: list[int]) -> None: ...
+
+    def on_step_discarded(self) -> None: ...
+
+    def admission_step(self, at: int, world: int, new_world: int, committed: int) -> int: ...
+
+    def on_admission(self, joiners: list[int]) -> Any: ...
+
+    def on_admission_failed(self, undo: Any) -> None: ...
 
 
 def _is_int(value: object) -> bool:
@@ -550,7 +587,7 @@ def decide_admission(
     completed the step the decider is about to start, so every member (each acknowledged
     and looks at every forward) reads the decision before it gets there. Each elastic
     sampler may then move it later, to where the joiners get full slots
-    (``ElasticDistributedSampler._admission_step(at, old_world, new_world, committed)``),
+    (:meth:`ElasticParticipant.admission_step`),
     applied in turn.
 
     Args:
@@ -560,7 +597,7 @@ def decide_admission(
         next_generation: The grown generation's number, or a function that draws it
             (called once).
         generation: The current generation.
-        samplers_step: One sampler's ``_admission_step``, several (applied in order), or
+        samplers_step: One participant's ``admission_step``, several (applied in order), or
             ``None``.
 
     Raises:

@@ -54,10 +54,11 @@ import torch.distributed as dist
 
 from . import _control as ctl
 from . import _elastic_protocol as proto
+from ._elastic_protocol import ElasticParticipant
 from ._runtime import RECOVERY_PHASE, Runtime
 from .errors import ControlPlaneError, RankFailureError
 
-__all__: list[str] = []
+__all__ = ["ElasticParticipant", "register_elastic_participant"]
 
 log = logging.getLogger("resilient_ddp")
 
@@ -87,6 +88,7 @@ class Elastic:
     received: dict[str, Any] | None = None  # joiner: state received at admission
     pending_optim: list[Any] | None = None  # optimizer states to load at the next step
     optimizers: list[weakref.ReferenceType[Any]] = field(default_factory=list)
+    # ElasticParticipant objects (the elastic samplers), by weak reference
     samplers: list[weakref.ReferenceType[Any]] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -102,12 +104,12 @@ class Elastic:
         """A reduction completed with the gradients of ``contributors`` (member ids)."""
         self.committed += 1
         for s in self.live_samplers():
-            s._commit(contributors)
+            s.on_step_committed(contributors)
 
     def rollback(self) -> None:
         """The step in flight is discarded on every member."""
         for s in self.live_samplers():
-            s._rollback()
+            s.on_step_discarded()
 
     def note_world(self, rt: Runtime, why: str) -> None:
         self.history.append(
@@ -132,6 +134,37 @@ def _phase(rt: Runtime, name: str) -> Iterator[None]:
         yield
     finally:
         rt.phase = prev
+
+
+def register_elastic_participant(obj: ElasticParticipant) -> None:
+    """Make ``obj`` follow the job's committed steps under elastic training.
+
+    Call it on every rank, in the same order, after ``init_process_group``; the objects are
+    held by weak reference. In a process that joined a running job, ``obj`` takes over the
+    state the job's participant of the same position had (``load_state_dict``) at once.
+    Without elastic training (``on_failure`` other than ``"shrink"``, or no process group)
+    it does nothing.
+
+    Raises:
+        TypeError: ``obj`` lacks a method of :class:`ElasticParticipant`.
+    """
+    from . import _runtime
+
+    if not isinstance(obj, ElasticParticipant):
+        raise TypeError(
+            f"{type(obj).__name__} is not an ElasticParticipant: it needs state_dict, "
+            "load_state_dict, on_step_committed, on_step_discarded, admission_step, "
+            "on_admission and on_admission_failed"
+        )
+    rt = _runtime.current()
+    el: Elastic | None = getattr(rt, "elastic", None) if rt is not None else None
+    if el is None:
+        return
+    index = len(el.live_samplers())
+    el.samplers.append(weakref.ref(obj))
+    received = el.received.get("samplers") if el.received is not None else None
+    if received is not None and index < len(received):
+        obj.load_state_dict(received[index])
 
 
 def live(refs: list[weakref.ReferenceType[Any]]) -> list[Any]:
@@ -649,7 +682,7 @@ def maybe_admit(
     grow = el.grow
     t0 = time.monotonic()
     before, gen_from = rt.world_size, rt.generation
-    saved = [(s, s._on_admit(grow["joiners"])) for s in el.live_samplers()]
+    saved = [(s, s.on_admission(grow["joiners"])) for s in el.live_samplers()]
     error: RankFailureError | None = None
     try:
         _form(rt, el, grow["gen"], grow["members"], list(range(before)))
@@ -667,7 +700,7 @@ def maybe_admit(
                     root.add(f"join/tries/{uid}", 1)
         el.grow = None
         for s, undo in saved:
-            s._restore_pending(undo)
+            s.on_admission_failed(undo)
         error = error or RankFailureError(
             f"the admission to generation {grow['gen']} failed on another rank",
             generation=rt.generation,
@@ -795,7 +828,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         pending=pending,
         next_generation=functools.partial(_next_generation, rt),
         generation=rt.generation,
-        samplers_step=[s._admission_step for s in el.live_samplers()],
+        samplers_step=[s.admission_step for s in el.live_samplers()],
     ).to_json()
     el.grow = _decide_once(root, key, dec)
     if el.grow == dec:

@@ -20,7 +20,6 @@ The last step of an epoch splits what is left evenly; fewer indices than ranks a
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -73,14 +72,9 @@ class ElasticDistributedSampler:
         self._done = False  # the queue's epoch is finished
         self._pending: list[dict[str, Any]] = []  # fetches not committed yet
         self.committed_steps = 0
-        rt = _runtime.current()
-        el = rt.elastic if rt is not None else None
-        if el is not None:
-            index = len(el.live_samplers())
-            el.samplers.append(weakref.ref(self))
-            received = el.received.get("samplers") if el.received is not None else None
-            if received is not None and index < len(received):
-                self.load_state_dict(received[index])
+        from .elastic import register_elastic_participant
+
+        register_elastic_participant(self)
 
     # -- the epoch ---------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -138,7 +132,7 @@ class ElasticDistributedSampler:
         world, rank, members = _membership()
         if not _elastic():
             # No elastic runtime: each fetch commits the one before, as a plain sampler.
-            self._commit(members)
+            self.on_step_committed(members)
         offset = sum(f["n"] for f in self._pending)
         avail = self._available() - offset
         b = self.batch_size
@@ -163,7 +157,7 @@ class ElasticDistributedSampler:
         )
         return items[starts[rank] : starts[rank] + sizes[rank]]
 
-    def _commit(self, contributors: list[int]) -> None:
+    def on_step_committed(self, contributors: list[int]) -> None:
         """Consume the fetched steps; slots of non-contributors go back to the front."""
         given_back: list[int] = []
         for f in self._pending:
@@ -178,14 +172,15 @@ class ElasticDistributedSampler:
         self._pending = []
         self._head = given_back + self._head
 
-    def _rollback(self) -> None:
+    def on_step_discarded(self) -> None:
+        """The step in flight is discarded on every member: its fetch is forgotten."""
         self._pending = []
 
-    def _on_admit(self, joiners: list[int]) -> list[dict[str, Any]]:
+    def on_admission(self, joiners: list[int]) -> list[dict[str, Any]]:
         """Joiners take the slots after the existing ones in the step being fetched.
 
         Returns:
-            The steps in flight as they were, for :meth:`_restore_pending` if the admission
+            The steps in flight as they were, for :meth:`on_admission_failed` if the admission
             fails.
         """
         saved = [{**f, "slots": list(f["slots"])} for f in self._pending]
@@ -200,11 +195,11 @@ class ElasticDistributedSampler:
             f["n"] += count
         return saved
 
-    def _restore_pending(self, saved: list[dict[str, Any]]) -> None:
-        """Undo :meth:`_on_admit` (the admission failed)."""
+    def on_admission_failed(self, saved: list[dict[str, Any]]) -> None:
+        """Undo :meth:`on_admission` (the admission failed)."""
         self._pending = saved
 
-    def _admission_step(self, at: int, world: int, new_world: int, committed: int) -> int:
+    def admission_step(self, at: int, world: int, new_world: int, committed: int) -> int:
         """The first step at or after ``at`` where joiners get full slots: when the epoch
         ends before, the first step of the next epoch."""
         per_step = world * self.batch_size
