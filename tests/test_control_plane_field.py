@@ -230,3 +230,36 @@ def test_a_state_from_a_peer_is_unpickled_weights_only() -> None:
     with pytest.raises(pickle.UnpicklingError, match="not allowed"):
         loads(dumps([_Evil()]), weights_only=True)
     assert loads(dumps([1, "a", (2.0,)]), weights_only=True) == [1, "a", (2.0,)]
+
+
+def test_forgetting_a_generation_deletes_every_key_it_wrote() -> None:
+    """The keys one generation writes (heartbeats, identities, events, claims, a mismatch
+    table, a shrink round's proposals and decision, formation, an admission and its
+    acknowledgements) are all deleted by forget_generation: a long job's store does not
+    grow with every generation."""
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", "secret")
+    base.set("unrelated", "1")
+    before = base.num_keys()
+    cp = ctl.ControlPlane(root, 3)
+    jobs = ctl.JobStore(root)
+    cp.init_counters()
+    for r in range(4):
+        cp.publish_info(r, {"rank": r})
+        cp.publish_state(r, {"beat": 1})
+        cp.publish_signature(1, r, {"op": "x"})
+        jobs.post_ready(3, r)
+        jobs.post_has_state(3, r)
+        jobs.ack(3, 2, r)
+    cp.claim(1)
+    cp.post_event({"kind": "crash", "rank": 1})
+    cp.request_diagnosis()
+    jobs.post_proposal("rec/g3/r0", {"rank": 0})
+    jobs.decide("rec/g3/r0/d", {"gen": 4})
+    jobs.decide("grow/g3", {"gen": 5})
+    jobs.decide("adm/g3/result", {"ok": True})
+    jobs.leave(3)
+    assert base.num_keys() > before + 30
+    deleted = jobs.forget_generation(3, 4, mismatches=1, acked=[2])
+    assert base.num_keys() == before, base.num_keys()
+    assert deleted > 30

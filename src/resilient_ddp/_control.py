@@ -1,21 +1,55 @@
-"""Control plane: the store keys through which ranks exchange heartbeats and failure reports.
+"""Control plane: the store keys through which ranks exchange heartbeats, failure reports
+and the decisions of elastic training.
 
 The control plane lives in the c10d store, apart from the data plane (the process group), so
-it keeps working when the data plane is broken. Every key of one generation ``N`` sits under
-``rd/g<N>/``:
+it keeps working when the data plane is broken. Every key of a job sits under the job's
+namespace ``rd/<job>/`` (:func:`root_prefix`; ``rd/current`` names the last job that started
+on the store). With a job secret every value and log line is sealed (:func:`seal`): an HMAC
+of its key name and JSON. This module is the only one that reads or writes these keys:
+:class:`ControlPlane` for one generation's keys, :class:`JobStore` for the job's.
 
-=================  ===========================================================
-``info/<r>``       rank's identity: host, pid, process start time, boot id
-``state/<r>``      heartbeat: beat counter, op and seq, step, phase, stack
-``ev/n``           number of events posted (read with ``add(key, 0)``)
-``ev/log``         the events, one JSON document per line (``append``)
-``diag``           diagnosis request counter; every watchdog answers with its stack
-``claim/<r>``      first reporter of rank ``r``'s failure wins (``add`` returns 1)
-``mm/<k>/<r>``     signature of the ``k``-th mismatched collective, per rank
-=================  ===========================================================
+One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``:
+
+=====================  =======================================================
+``info/<r>``           rank's identity: host, pid, process start time, boot id, PID ns
+``state/<r>``          heartbeat: beat counter, op and seq, step, phase, stack
+``ev/n``               number of events posted (a counter)
+``ev/log``             the events, one sealed JSON document per line (``append``)
+``diag``               diagnosis request counter; every watchdog answers with its stack
+``claim/<r>``          first reporter of rank ``r``'s failure wins (``add`` returns 1)
+``mm/<k>/<r>``         signature of the ``k``-th mismatched collective, per rank
+``pg/...``             torch's rendezvous keys of the generation's process group
+=====================  =======================================================
+
+The job (:class:`JobStore`), under ``rd/<job>/``:
+
+=========================  ===================================================
+``gen``                    the current generation (set by its rank 0)
+``gen_seq``                generation numbers drawn so far (a counter)
+``retry/<seq>/<a>``        group-retry votes for op ``seq``, attempt ``a``; ``/abort``
+``retry/<seq>/<a>/gen/g<N>``  the generation that retry forms (``compare_set``)
+``rec/g<N>/r<k>/log``      shrink round ``k`` after generation ``N``: proposals
+``rec/g<N>/r<k>/d``        its decision (first valid of 4 ``compare_set`` slots)
+``form/g<N>/<r>``          rank ``r`` arrived to form generation ``N``
+``members``                the member ids of the last complete generation
+``left/g<N>``              members of generation ``N`` that left normally (counter)
+``ended``                  the job is over: finished, or failed (and why)
+``join/n``                 join requests posted (a counter the watchdogs poll)
+``join/uid``               member ids drawn by joiners (a counter)
+``join/log``               join requests, one sealed JSON document per line
+``join/adm/<uid>``         the admission decided for joiner ``uid``
+``join/done/<uid>``        ``uid`` was admitted once (never pending again)
+``join/gone/<uid>``        ``uid`` gave up
+``join/tries/<uid>``       admissions ``uid`` failed to reach (a counter)
+``grow/g<N>``              the admission decided in generation ``N`` (slots as above)
+``grow/g<N>/n<k>/ack/<r>`` rank ``r`` saw ``k`` join requests in generation ``N``
+``adm/g<N>/ok/<r>``        rank ``r`` of admission generation ``N`` has the state
+``adm/g<N>/result``        that admission's outcome (slots as above)
+=========================  ===================================================
 
 All reads used on the healthy path are of keys known to exist, so no call here waits on the
-store except :meth:`ControlPlane.wait_keys`, which is bounded.
+store except :meth:`ControlPlane.wait_keys`, which is bounded. Every store error surfaces as
+:class:`ControlPlaneError`.
 """
 
 from __future__ import annotations
@@ -34,6 +68,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._elastic_protocol import ack_key
 from .errors import ControlPlaneError, Culprit
 
 __all__: list[str] = []
@@ -356,7 +391,12 @@ class ControlPlane:
         return read_log(self.key, self._name("ev/log"), raw)
 
     def event_count(self) -> int:
-        return int(self._call(self.store.add, "ev/n", 0))
+        """The number of events posted (0 before the counter exists)."""
+        # check and get, not add(key, 0): an add on a value that is not a number (written
+        # by a process outside the job) makes the server drop the connection.
+        if not self._call(self.store.check, ["ev/n"]):
+            return 0
+        return _count(self._call(self.store.get, "ev/n"))
 
     def claim(self, rank: int) -> bool:
         """Return True for the first caller that reports rank ``rank``'s failure."""
@@ -419,6 +459,219 @@ class ControlPlane:
                 "hosting it (the launcher, torchrun's agent or rank 0) has probably died; "
                 "no rank can coordinate any more."
             ) from e
+
+
+_SLOTS = 4  # a decision is taken in the first of these slots that holds no garbage
+
+
+def _slot(key: str, i: int) -> str:
+    return key if i == 0 else f"{key}/{i}"
+
+
+class JobStore:
+    """Typed access to the job's keys (see the module's table), over one connection.
+
+    Every method raises :class:`ControlPlaneError` when the store does not answer.
+    """
+
+    def __init__(self, root: dist.Store) -> None:
+        self.root = root
+        self.key = mac_key(root)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _c(self, fn: Any, *args: Any) -> Any:
+        return ControlPlane._call(fn, *args)
+
+    def _has(self, *keys: str) -> bool:
+        return bool(self._c(self.root.check, list(keys)))
+
+    def _put(self, key: str, value: Any) -> None:
+        self._c(self.root.set, key, seal(self.key, key, value))
+
+    def _get(self, key: str) -> Any:
+        if not self._has(key):
+            return None
+        return unseal(self.key, key, self._c(self.root.get, key))
+
+    def _flag(self, key: str) -> None:
+        self._c(self.root.set, key, "1")
+
+    def _counter(self, key: str, by: int = 0) -> int:
+        if by == 0 and self._has(key):
+            return _count(self._c(self.root.get, key))
+        return int(self._c(self.root.add, key, by))
+
+    def _append(self, key: str, value: dict[str, Any]) -> None:
+        self._c(getattr(self.root, "append"), key, "\n" + seal(self.key, key, value) + "\n")  # noqa: B009
+
+    def _log(self, key: str) -> list[dict[str, Any]]:
+        if not self._has(key):
+            return []
+        return read_log(self.key, key, self._c(self.root.get, key))
+
+    def decision(self, key: str) -> dict[str, Any] | None:
+        """The decision taken under ``key``, or None if none was taken yet."""
+        for i in range(_SLOTS):
+            k = _slot(key, i)
+            if not self._has(k):
+                return None
+            rec = unseal_dict(self.key, k, self._c(self.root.get, k))
+            if rec is not None:
+                return rec
+        return None
+
+    def decide(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        """Propose ``value`` as the decision under ``key``; return the decision taken (the
+        first proposal made, whoever made it), in the first slot that holds no garbage.
+
+        Raises:
+            ControlPlaneError: Every slot holds garbage another process wrote.
+        """
+        for i in range(_SLOTS):
+            k = _slot(key, i)
+            got = self._c(self.root.compare_set, k, "", seal(self.key, k, value))
+            rec = unseal_dict(self.key, k, got)
+            if rec is not None:
+                return rec
+        raise ControlPlaneError(
+            f"the control-plane store holds garbage in every slot of the decision {key!r}: "
+            "a process outside the job writes to its store"
+        )
+
+    # -- generations -------------------------------------------------------------------------
+    def generation(self) -> int:
+        """The current generation (0 before any rebuild)."""
+        raw = self._c(self.root.get, "gen") if self._has("gen") else b"0"
+        return _count(raw)
+
+    def next_generation(self) -> int:
+        """A generation number no group has used, above every one used so far."""
+        return int(self._c(self.root.add, "gen_seq", 1))
+
+    def members(self) -> dict[str, Any] | None:
+        rec = self._get("members")
+        return rec if isinstance(rec, dict) else None
+
+    def set_members(self, generation: int, members: list[int]) -> None:
+        self._put("members", {"gen": generation, "members": members})
+
+    def leave(self, generation: int) -> int:
+        """Count one more member of ``generation`` that left normally; return the count."""
+        return int(self._c(self.root.add, f"left/g{generation}", 1))
+
+    def ended(self) -> dict[str, Any] | None:
+        return self.decision("ended")
+
+    def end(self, step: int, failed: str | None) -> None:
+        self.decide("ended", {"step": step, "failed": failed})
+
+    # -- shrink ------------------------------------------------------------------------------
+    def post_proposal(self, base: str, proposal: dict[str, Any]) -> None:
+        self._append(f"{base}/log", proposal)
+
+    def proposals(self, base: str) -> list[dict[str, Any]]:
+        return self._log(f"{base}/log")
+
+    def post_ready(self, generation: int, rank: int) -> None:
+        self._flag(f"form/g{generation}/{rank}")
+
+    def ready(self, generation: int, ranks: Iterable[int]) -> bool:
+        return self._has(*[f"form/g{generation}/{r}" for r in ranks])
+
+    # -- grow --------------------------------------------------------------------------------
+    def init_joins(self) -> None:
+        self._c(self.root.add, "join/n", 0)
+
+    def join_count(self) -> int:
+        return self._counter("join/n")
+
+    def new_joiner_uid(self) -> int:
+        return int(self._c(self.root.add, "join/uid", 1))
+
+    def request_join(self, request: dict[str, Any]) -> None:
+        self._append("join/log", request)
+        self._c(self.root.add, "join/n", 1)
+
+    def join_requests(self) -> list[dict[str, Any]]:
+        return self._log("join/log")
+
+    def ack(self, generation: int, requests: int, rank: int) -> None:
+        """``rank`` saw ``requests`` join requests in ``generation``."""
+        self._flag(ack_key(generation, requests, rank))
+
+    def acked(self, generation: int, requests: int, world: int) -> bool:
+        """Whether every rank of ``generation`` acknowledged ``requests`` requests."""
+        return self._has(*[ack_key(generation, requests, r) for r in range(world)])
+
+    def admission_for(self, uid: int) -> dict[str, Any] | None:
+        rec = self._get(f"join/adm/{uid}")
+        return rec if isinstance(rec, dict) else None
+
+    def set_admission_for(self, uid: int, admission: dict[str, Any]) -> None:
+        self._put(f"join/adm/{uid}", admission)
+
+    def mark_admitted(self, uid: int) -> None:
+        self._flag(f"join/done/{uid}")
+
+    def admitted(self, uid: int) -> bool:
+        return self._has(f"join/done/{uid}")
+
+    def mark_gone(self, uid: int) -> None:
+        self._flag(f"join/gone/{uid}")
+
+    def gone(self, uid: int) -> bool:
+        return self._has(f"join/gone/{uid}")
+
+    def join_tries(self, uid: int) -> int:
+        return self._counter(f"join/tries/{uid}")
+
+    def add_join_try(self, uid: int) -> None:
+        self._c(self.root.add, f"join/tries/{uid}", 1)
+
+    def post_has_state(self, generation: int, rank: int) -> None:
+        self._put(f"adm/g{generation}/ok/{rank}", {"ok": True})
+
+    def missing_state(self, generation: int, world: int) -> list[int]:
+        """The ranks of admission generation ``generation`` that did not confirm yet."""
+        out = []
+        for r in range(world):
+            if self._get(f"adm/g{generation}/ok/{r}") != {"ok": True}:
+                out.append(r)
+        return out
+
+    # -- cleaning up -------------------------------------------------------------------------
+    def forget_generation(
+        self,
+        generation: int,
+        world: int,
+        *,
+        rounds: int = 8,
+        mismatches: int = 0,
+        acked: Iterable[int] = (),
+    ) -> int:
+        """Delete generation ``generation``'s keys (``world`` ranks): its heartbeats,
+        identities, events, claims and mismatch tables, and the job's keys of its shrink
+        rounds (the first ``rounds``), formation, admission and acknowledgements (of the
+        request counts in ``acked``). torch's own rendezvous keys of the generation's group
+        (``g<N>/pg/...``) cannot be listed and stay.
+
+        Returns:
+            How many keys were deleted.
+        """
+        g = f"g{generation}"
+        keys = [f"{g}/ev/n", f"{g}/ev/log", f"{g}/diag", f"left/{g}"]
+        for r in range(world):
+            keys += [f"{g}/info/{r}", f"{g}/state/{r}", f"{g}/claim/{r}"]
+            keys += [f"form/{g}/{r}", f"adm/{g}/ok/{r}"]
+            keys += [f"{g}/mm/{k}/{r}" for k in range(1, mismatches + 1)]
+            keys += [ack_key(generation, n, r) for n in acked]
+        decisions = [f"grow/{g}", f"adm/{g}/result"] + [f"rec/{g}/r{k}/d" for k in range(rounds)]
+        keys += [_slot(d, i) for d in decisions for i in range(_SLOTS)]
+        keys += [f"rec/{g}/r{k}/log" for k in range(rounds)]
+        deleted = 0
+        for key in keys:
+            deleted += bool(self._c(self.root.delete_key, key))
+        return deleted
 
 
 def read_log(key: bytes | None, name: str, raw: bytes) -> list[dict[str, Any]]:

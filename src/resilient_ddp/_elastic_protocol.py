@@ -340,26 +340,21 @@ def decide_shrink(
     ranks = sorted(by_rank)
     n = len(ranks)
     lost = [r for r in range(world_size) if r not in by_rank]
+    fail = None
     if n < min_world_size:
         loss = f" the loss of rank(s) {lost}" if lost else ""
-        return ShrinkDecision(
-            old_ranks=tuple(ranks),
-            lost=tuple(lost),
-            fail=(
-                f"only {n} rank(s) survive{loss} in generation {generation}, fewer than "
-                f"min_world_size={min_world_size}: training cannot go on"
-            ),
+        fail = (
+            f"only {n} rank(s) survive{loss} in generation {generation}, fewer than "
+            f"min_world_size={min_world_size}: training cannot go on"
         )
-    if 2 * n < world_size or (2 * n == world_size and not set(lost) <= set(dead)):
-        return ShrinkDecision(
-            old_ranks=tuple(ranks),
-            lost=tuple(lost),
-            fail=(
-                f"only {n} of {world_size} ranks of generation {generation} reached the "
-                f"store together (lost: {lost}, not known dead): a minority does not go on "
-                "alone"
-            ),
+    elif 2 * n < world_size or (2 * n == world_size and not set(lost) <= set(dead)):
+        fail = (
+            f"only {n} of {world_size} ranks of generation {generation} reached the "
+            f"store together (lost: {lost}, not known dead): a minority does not go on "
+            "alone"
         )
+    if fail is not None:
+        return ShrinkDecision(old_ranks=tuple(ranks), lost=tuple(lost), fail=fail)
     props = [by_rank[r] for r in ranks]
     top = max(p.committed for p in props)
     source = next(i for i, p in enumerate(props) if p.committed == top)

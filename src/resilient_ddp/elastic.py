@@ -43,6 +43,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -84,6 +85,7 @@ class Elastic:
     joins_seen: int = 0
     # (generation, number of join requests) this rank acknowledged: one round of acks
     acked: tuple[int, int] = (-1, -1)
+    acks_seen: set[int] = field(default_factory=set)  # request counts acked this generation
     grow: dict[str, Any] | None = None  # the admission decision for this generation
     received: dict[str, Any] | None = None  # joiner: state received at admission
     pending_optim: list[Any] | None = None  # optimizer states to load at the next step
@@ -95,6 +97,9 @@ class Elastic:
     history: list[dict[str, Any]] = field(default_factory=list)
     redone: int = 0
     skipped: int = 0
+    # Generations this process was a member of whose keys are still in the store:
+    # (generation, world size, request counts it acknowledged there)
+    past: list[tuple[int, int, set[int]]] = field(default_factory=list)
 
     # -- samplers ----------------------------------------------------------------------------
     def live_samplers(self) -> list[Any]:
@@ -220,7 +225,7 @@ def setup(rt: Runtime) -> None:
         return
     # The first generation's member ids are its ranks; joiners get other ids.
     rt.elastic = Elastic(uid=rt.rank, members=list(range(rt.world_size)))
-    rt.control_root.add("join/n", 0)
+    _jobs(rt.control_root).init_joins()
     rt.elastic.note_world(rt, "start")
 
 
@@ -306,7 +311,7 @@ def recover(
             world = rt.world_size
             continue
         break
-    _publish_members(rt)
+    _publish_members(rt, gen_from, world)
     rt.raised = False
     # Only the ranks the group lost: a timeout can also name a rank that merely gave up
     # first (it was recovering already, and is still a member).
@@ -386,70 +391,8 @@ def _gone(rt: Runtime) -> tuple[set[int], set[int]]:
     return gone, dead
 
 
-def _read_log(root: dist.Store, key: str) -> list[dict[str, Any]]:
-    """The valid records of the log ``key`` (a line another process wrote is skipped)."""
-    if not root.check([key]):
-        return []
-    return ctl.read_log(ctl.mac_key(root), key, root.get(key))
-
-
-def _append(root: dist.Store, key: str, value: dict[str, Any]) -> None:
-    line = ctl.seal(ctl.mac_key(root), key, value) + "\n"
-    getattr(root, "append")(key, line)  # noqa: B009
-
-
-def _put(root: dist.Store, key: str, value: Any) -> None:
-    """Write record ``value`` under ``key`` (sealed with the job's key, if any)."""
-    root.set(key, ctl.seal(ctl.mac_key(root), key, value))
-
-
-def _get(root: dist.Store, key: str) -> Any:
-    """The record under ``key``, or None if absent or not one the job wrote."""
-    if not root.check([key]):
-        return None
-    return ctl.unseal(ctl.mac_key(root), key, root.get(key))
-
-
-# A decision is taken once, with compare_set, in the first of these slots that holds no
-# garbage: a value another process planted in a slot cannot block the job's decision.
-_SLOTS = 4
-
-
-def _slot(key: str, i: int) -> str:
-    return key if i == 0 else f"{key}/{i}"
-
-
-def _read_decision(root: dist.Store, key: str) -> dict[str, Any] | None:
-    """The decision taken under ``key``, or None if none was taken yet."""
-    kk = ctl.mac_key(root)
-    for i in range(_SLOTS):
-        k = _slot(key, i)
-        if not root.check([k]):
-            return None
-        rec = ctl.unseal_dict(kk, k, root.get(k))
-        if rec is not None:
-            return rec
-    return None
-
-
-def _decide_once(root: dist.Store, key: str, value: dict[str, Any]) -> dict[str, Any]:
-    """Propose ``value`` as the decision under ``key``; return the decision taken (the
-    first proposal made, whoever made it).
-
-    Raises:
-        ControlPlaneError: Every slot holds garbage another process wrote.
-    """
-    kk = ctl.mac_key(root)
-    for i in range(_SLOTS):
-        k = _slot(key, i)
-        got = root.compare_set(k, "", ctl.seal(kk, k, value))
-        rec = ctl.unseal_dict(kk, k, got)
-        if rec is not None:
-            return rec
-    raise ControlPlaneError(
-        f"the control-plane store holds garbage in every slot of the decision {key!r}: a "
-        "process outside the job writes to its store"
-    )
+def _jobs(root: dist.Store) -> ctl.JobStore:
+    return ctl.JobStore(root)
 
 
 def _agree(
@@ -461,7 +404,7 @@ def _agree(
     has_grads: bool,
     basis: tuple[int, int],
 ) -> dict[str, Any]:
-    root = rt.control_root
+    jobs = _jobs(rt.control_root)
     mine = proto.Proposal(
         rank=rt.rank,
         uid=el.uid,
@@ -469,7 +412,7 @@ def _agree(
         where="reduce" if where == "reduce" else "forward",
         grads=has_grads,
     )
-    _append(root, f"{base}/log", mine.to_json())
+    jobs.post_proposal(base, mine.to_json())
     cfg = rt.config
     deadline = time.monotonic() + cfg.op_timeout.total_seconds()
     # A rank named by a timeout but not known dead may only have been slower to give up
@@ -478,10 +421,10 @@ def _agree(
     silent_since: float | None = None
     decided = f"{base}/d"
     while True:
-        taken = _read_decision(root, decided)
+        taken = jobs.decision(decided)
         if taken is not None:
             return taken
-        props = proto.parse_proposals(_read_log(root, f"{base}/log"))
+        props = proto.parse_proposals(jobs.proposals(base))
         gone, dead = _gone(rt)
         waiting = [r for r in candidates if r not in props]
         now = time.monotonic()
@@ -506,7 +449,7 @@ def _agree(
                 next_generation=functools.partial(_next_generation, rt),
                 my_committed=el.committed,
             )
-            return _decide_once(root, decided, dec.to_json())
+            return jobs.decide(decided, dec.to_json())
         if rt.watchdog is not None:
             rt.watchdog.poke()
         time.sleep(_POLL_S)
@@ -528,7 +471,7 @@ def _recovering(rt: Runtime, ranks: list[int], dead: set[int]) -> bool:
 def _next_generation(rt: Runtime) -> int:
     """A generation number no group has used, above every one used so far: every
     generation after the first is drawn from this one counter (group retries too)."""
-    return int(rt.control_root.add("gen_seq", 1))
+    return _jobs(rt.control_root).next_generation()
 
 
 def _form(
@@ -547,14 +490,13 @@ def _form(
         RankFailureError: A member did not arrive in time (it died meanwhile).
     """
     timeout_s = _form_timeout(rt.config)
-    root = rt.control_root
+    jobs = _jobs(rt.control_root)
     rank = members.index(el.uid)
     # Everyone posts "ready" first: a member that died after the decision is noticed here,
     # quickly, rather than by the backend's rendezvous timeout.
-    root.set(f"form/g{gen}/{rank}", "1")
-    keys = [f"form/g{gen}/{r}" for r in range(len(members))]
+    jobs.post_ready(gen, rank)
     deadline = time.monotonic() + timeout_s
-    while not root.check(keys):
+    while not jobs.ready(gen, range(len(members))):
         # Only a member known dead since the decision is given up on at once: one that a
         # timeout named (or that looked unresponsive) before it proposed is merely slower,
         # and one that stopped since is left to the deadline.
@@ -562,7 +504,7 @@ def _form(
         lost = [
             members[i]
             for i, old in enumerate(old_ranks or [])
-            if old in dead and not root.check([keys[i]])
+            if old in dead and not jobs.ready(gen, [i])
         ]
         if lost or time.monotonic() >= deadline:
             raise RankFailureError(
@@ -575,11 +517,35 @@ def _form(
     el.acked = (-1, -1)
 
 
-def _publish_members(rt: Runtime) -> None:
+def _publish_members(rt: Runtime, gen_from: int, world_from: int) -> None:
     """Rank 0 records who the members are, once a generation is complete (formed, state
-    in sync, admissions confirmed): the launcher (rd.spawn) ends processes it removed."""
-    if rt.rank == 0:
-        _put(rt.control_root, "members", {"gen": rt.generation, "members": rt.elastic.members})
+    in sync, admissions confirmed): the launcher (rd.spawn) ends processes it removed.
+
+    It then deletes, from a thread of its own, the keys of the generations before the one
+    that came before this one (``gen_from`` of ``world_from`` ranks): no member reads
+    them any more, and a long job's store must not grow with every generation."""
+    el: Elastic = rt.elastic
+    el.past.append((gen_from, world_from, set(el.acks_seen)))
+    el.acks_seen = set()
+    if rt.rank != 0:
+        del el.past[:-1]
+        return
+    _jobs(rt.control_root).set_members(rt.generation, el.members)
+    old, el.past = el.past[:-1], el.past[-1:]
+    if old:
+        threading.Thread(
+            target=_forget, args=(rt, old), name="resilient_ddp-forget", daemon=True
+        ).start()
+
+
+def _forget(rt: Runtime, generations: list[tuple[int, int, set[int]]]) -> None:
+    """Delete the keys of ``generations``; best effort (a failure leaves keys behind)."""
+    try:
+        jobs = ctl.JobStore(rt.connection("janitor").root)
+        for gen, world, acked in generations:
+            jobs.forget_generation(gen, world, mismatches=rt.mismatches, acked=acked)
+    except Exception as e:  # noqa: BLE001 - cleaning up must never fail the job
+        log.info("rank %d: could not delete old generations' keys: %s", rt.rank, e)
 
 
 def _form_timeout(cfg: Any) -> float:
@@ -604,7 +570,7 @@ def _mark_ended(root: dist.Store, el: Elastic, why: str | None) -> None:
     """Tell waiting joiners that the job is over: it failed (``why``) or finished."""
     # Best effort: joiners also give up at their own timeout.
     with contextlib.suppress(Exception):
-        _decide_once(root, "ended", {"step": el.committed, "failed": why})
+        _jobs(root).end(el.committed, why)
 
 
 def leave(rt: Runtime) -> None:
@@ -614,7 +580,7 @@ def leave(rt: Runtime) -> None:
     if el is None or rt.raised:
         return
     try:
-        left = int(rt.control_root.add(f"left/g{rt.generation}", 1))
+        left = _jobs(rt.control_root).leave(rt.generation)
     except Exception:  # noqa: BLE001 - best effort, as above
         return
     if left >= rt.world_size:
@@ -673,7 +639,7 @@ def maybe_admit(
         RankFailureError: The admission failed once under way (a member or a joiner died):
             the members recover as the generation they were (see :func:`recover`).
     """
-    root = rt.control_root
+    jobs = _jobs(rt.control_root)
     if el.grow is None and not _grow_decision(rt, el):
         return False
     assert el.grow is not None
@@ -691,13 +657,13 @@ def maybe_admit(
     except RankFailureError as e:
         error = e
     if not _admission_result(rt, grow, grow["members"].index(el.uid), ok=error is None):
-        ready = [f"form/g{grow['gen']}/{r}" for r in range(len(grow["members"]))]
-        if grow["members"].index(el.uid) == 0 and root.check(ready[:before]):
+        gen = grow["gen"]
+        if grow["members"].index(el.uid) == 0 and jobs.ready(gen, range(before)):
             # Every member arrived but a joiner did not (it died, hangs or came too
             # late): it is blamed, so that a dead one is not admitted again and again.
-            for uid, key in zip(grow["joiners"], ready[before:], strict=True):
-                if not root.check([key]):
-                    root.add(f"join/tries/{uid}", 1)
+            for i, uid in enumerate(grow["joiners"]):
+                if not jobs.ready(gen, [before + i]):
+                    jobs.add_join_try(uid)
         el.grow = None
         for s, undo in saved:
             s.on_admission_failed(undo)
@@ -715,9 +681,9 @@ def maybe_admit(
     # Never a pending joiner again; any member may be the next to read the requests, so
     # each marks it.
     for uid in grow["joiners"]:
-        root.set(f"join/done/{uid}", "1")
-    _publish_members(rt)
-    el.join_seen = int(root.add("join/n", 0)) > el.joins_seen
+        jobs.mark_admitted(uid)
+    _publish_members(rt, gen_from, before)
+    el.join_seen = jobs.join_count() > el.joins_seen
     took = time.monotonic() - t0
     el.events.append(
         {
@@ -749,21 +715,21 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
     """Whether admission ``adm`` succeeded everywhere: every member and joiner formed the
     group and has the state. Decided once (``compare_set``), so that all act alike; a
     rank that does not confirm within the form timeout fails it. Bounded."""
-    root = rt.control_root
-    base = f"adm/g{adm['gen']}"
-    result = f"{base}/result"
+    jobs = _jobs(rt.control_root)
+    gen, world = int(adm["gen"]), len(adm["members"])
+    result = f"adm/g{gen}/result"
     if ok:
-        _put(root, f"{base}/ok/{rank}", {"ok": True})
+        jobs.post_has_state(gen, rank)
     else:
-        _decide_once(root, result, {"ok": False})
-    keys = [f"{base}/ok/{r}" for r in range(len(adm["members"]))]
+        jobs.decide(result, {"ok": False})
     deadline = time.monotonic() + _form_timeout(rt.config)
-    while (taken := _read_decision(root, result)) is None:
-        if root.check(keys) and all(_get(root, k) == {"ok": True} for k in keys):
-            _decide_once(root, result, {"ok": True})
+    while (taken := jobs.decision(result)) is None:
+        missing = jobs.missing_state(gen, world)
+        if not missing:
+            jobs.decide(result, {"ok": True})
         elif time.monotonic() < deadline:
             time.sleep(_POLL_S)
-        elif ok and _transferring(rt, [r for r, k in enumerate(keys) if not root.check([k])]):
+        elif ok and _transferring(rt, missing):
             # The state source (or a joiner taking the state) is busy, not missing: a
             # large state or a slow link takes longer than the form timeout. It is waited
             # for while its heartbeat says so; one that dies or hangs is reported by the
@@ -771,7 +737,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
             # per chunk.
             deadline = time.monotonic() + 0.1
         else:
-            _decide_once(root, result, {"ok": False})
+            jobs.decide(result, {"ok": False})
     return bool(taken.get("ok"))
 
 
@@ -803,22 +769,23 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     Returns:
         Whether ``el.grow`` holds the decision now.
     """
-    root = rt.control_root
+    jobs = _jobs(rt.control_root)
     key = f"grow/g{rt.generation}"
-    taken = _read_decision(root, key)
+    taken = jobs.decision(key)
     if taken is not None:
         el.grow = taken
         return True
-    n = _int_or(root.add("join/n", 0), 0)
+    n = jobs.join_count()
     if proto.needs_ack(el.acked, generation=rt.generation, requests=n):
-        if not _pending_joiners(root, el):
+        if not _pending_joiners(jobs, el):
             el.join_seen = False  # nothing to admit (yet): the watchdog wakes us again
             return False
-        root.set(proto.ack_key(rt.generation, n, rt.rank), "1")
+        jobs.ack(rt.generation, n, rt.rank)
         el.acked = (rt.generation, n)
-    if not root.check([proto.ack_key(rt.generation, n, r) for r in range(rt.world_size)]):
+        el.acks_seen.add(n)
+    if not jobs.acked(rt.generation, n, rt.world_size):
         return False
-    pending = _pending_joiners(root, el)
+    pending = _pending_joiners(jobs, el)
     if not pending:
         el.join_seen = False
         return False
@@ -830,36 +797,36 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         generation=rt.generation,
         samplers_step=[s.admission_step for s in el.live_samplers()],
     ).to_json()
-    el.grow = _decide_once(root, key, dec)
+    el.grow = jobs.decide(key, dec)
     if el.grow == dec:
         for i, uid in enumerate(pending):
-            _put(root, f"join/adm/{uid}", {**dec, "rank": len(el.members) + i})
+            jobs.set_admission_for(uid, {**dec, "rank": len(el.members) + i})
     return True
 
 
-def _pending_joiners(root: dist.Store, el: Elastic) -> list[int]:
-    requests = _read_log(root, "join/log")
+def _pending_joiners(jobs: ctl.JobStore, el: Elastic) -> list[int]:
+    requests = jobs.join_requests()
     el.joins_seen = len(requests)
     return proto.pending_joiners(
         requests,
         el.members,
         # admitted once (a member since, maybe gone), or gave up
-        _StoreFlags(root, "join/done/"),
-        _StoreFlags(root, "join/gone/"),
+        _Asked(jobs.admitted),
+        _Asked(jobs.gone),
         # never arrived at its admissions: dead or unreachable
-        lambda uid: _int_or(root.add(f"join/tries/{uid}", 0), 0),
+        jobs.join_tries,
         _MAX_JOIN_TRIES,
     )
 
 
-class _StoreFlags:
-    """``uid in flags``: whether the key ``<prefix><uid>`` exists (asked lazily)."""
+class _Asked:
+    """``uid in flags``: ``ask(uid)``, asked lazily."""
 
-    def __init__(self, root: dist.Store, prefix: str) -> None:
-        self.root, self.prefix = root, prefix
+    def __init__(self, ask: Callable[[int], bool]) -> None:
+        self.ask = ask
 
     def __contains__(self, uid: object) -> bool:
-        return bool(self.root.check([f"{self.prefix}{uid}"]))
+        return isinstance(uid, int) and self.ask(uid)
 
 
 @_typed_store_errors("joining")
@@ -886,20 +853,16 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     from .process_group import STORE_ENV, control_store
 
     root = control_store(None, joiner=True, timeout=timeout)
-    uid = (
-        int(os.environ[UID_ENV])
-        if UID_ENV in os.environ
-        else 1_000_000 + int(root.add("join/uid", 1))
-    )
+    jobs = _jobs(root)
+    uid = int(os.environ[UID_ENV]) if UID_ENV in os.environ else 1_000_000 + jobs.new_joiner_uid()
     identity = ctl.my_identity(-1)
-    _append(root, "join/log", {"uid": uid, "host": identity["host"], "pid": identity["pid"]})
-    root.add("join/n", 1)
+    jobs.request_join({"uid": uid, "host": identity["host"], "pid": identity["pid"]})
     requested = time.time()
     deadline = time.monotonic() + timeout.total_seconds()
     tried_gen, failures = -1, 0
     while True:
-        _check_ended(root, uid)
-        if int(root.add(f"join/tries/{uid}", 0)) >= _MAX_JOIN_TRIES:
+        _check_ended(jobs, uid)
+        if jobs.join_tries(uid) >= _MAX_JOIN_TRIES:
             raise PreflightError(
                 f"this process (member id {uid}) was not admitted: it did not reach "
                 f"{_MAX_JOIN_TRIES} of its admissions in time, and the members gave up",
@@ -914,12 +877,12 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
                 "recipe in the elastic training docs)",
                 problems=["joiner not admitted"],
             )
-        adm = _get(root, f"join/adm/{uid}")
+        adm = jobs.admission_for(uid)
         if adm is None or adm["gen"] == tried_gen:
             time.sleep(0.01)
             continue
         tried_gen = adm["gen"]
-        if not _await_members(root, adm, deadline, uid):
+        if not _await_members(jobs, adm, deadline, uid):
             continue  # the members went another way (a failure among them)
         rt, state, error = _admit(root, uid, adm, backend, cfg)
         if rt is not None:
@@ -939,7 +902,7 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
             continue  # a member failed: not this process's fault
         failures += 1
         if failures >= _MAX_JOIN_TRIES:
-            root.set(f"join/gone/{uid}", "1")
+            jobs.mark_gone(uid)
             raise PreflightError(
                 f"this process (member id {uid}) could not be admitted to the running "
                 f"job: {failures} admissions failed, the last one with: {error}",
@@ -970,7 +933,7 @@ def _admit(
         generation=-1,
     )
     rt.elastic = el = Elastic(uid=uid, members=members)
-    root.set(f"form/g{gen}/{rank}", "1")
+    _jobs(root).post_ready(gen, rank)
     error: BaseException | None = None
     state: dict[str, Any] = {}
     try:
@@ -1005,37 +968,28 @@ def _admit(
     return None, {}, None
 
 
-def _await_members(root: dist.Store, adm: dict[str, Any], deadline: float, uid: int) -> bool:
+def _await_members(jobs: ctl.JobStore, adm: dict[str, Any], deadline: float, uid: int) -> bool:
     """Wait until every member of the admission reached its step (they post "ready" then).
 
     Returns:
         False if the members abandoned it (the job moved to another generation).
     """
     gen, n_old = int(adm["gen"]), len(adm["members"]) - len(adm["joiners"])
-    keys = [f"form/g{gen}/{r}" for r in range(n_old)]
-    while not root.check(keys):
-        _check_ended(root, uid)
+    while not jobs.ready(gen, range(n_old)):
+        _check_ended(jobs, uid)
         if time.monotonic() >= deadline:
             return False
         # Generation numbers only grow: a newer one than the admission's base means the
         # members recovered from a failure instead of reaching the admission step.
-        current = _int_or(root.get("gen"), 0) if root.check(["gen"]) else 0
+        current = jobs.generation()
         if current > int(adm["from"]) and current != gen:
             return False
         time.sleep(_POLL_S)
     return True
 
 
-def _int_or(raw: Any, default: int) -> int:
-    """``raw`` as an int, or ``default`` for garbage (another process wrote it)."""
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        return default
-
-
-def _check_ended(root: dist.Store, uid: int) -> None:
-    ended = _read_decision(root, "ended")
+def _check_ended(jobs: ctl.JobStore, uid: int) -> None:
+    ended = jobs.ended()
     if ended is None:
         return
     from .errors import PreflightError
