@@ -263,3 +263,25 @@ def test_forgetting_a_generation_deletes_every_key_it_wrote() -> None:
     deleted = jobs.forget_generation(3, 4, mismatches=1, acked=[2])
     assert base.num_keys() == before, base.num_keys()
     assert deleted > 30
+
+
+def test_a_dead_store_during_elastic_work_is_a_typed_error_naming_the_work() -> None:
+    """The elastic protocol's store calls go through _control, whose error says only that
+    the store is unreachable; elastic work turns it into a ControlPlaneError that says what
+    it was doing (never a bare DistNetworkError from forward())."""
+    from resilient_ddp import elastic
+    from resilient_ddp.errors import ControlPlaneError
+
+    server = ctl.serve_store("127.0.0.1")
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
+    rt = _runtime_with_peer(pidns="")
+    rt.control_root = ctl.root_prefix(client, "job")
+
+    @elastic._typed_store_errors("testing")
+    def work(rt: Any) -> int:
+        return ctl.JobStore(rt.control_root).join_count()
+
+    assert work(rt) == 0
+    del server  # the store's host is gone
+    with pytest.raises(ControlPlaneError, match="stopped answering during elastic testing"):
+        work(rt)

@@ -187,36 +187,48 @@ _STORE_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 def _typed_store_errors(what: str) -> Callable[[_F], _F]:
     """Report a store call of the elastic protocol that fails as a
-    :class:`ControlPlaneError` naming, where it can, the rank that hosted the store: the
-    protocol talks to the store directly, and a bare ``DistNetworkError`` from
-    ``forward()`` would say nothing."""
+    :class:`ControlPlaneError` naming what the protocol was doing and, where it can, the
+    rank that hosted the store (a ``DistNetworkError`` from ``forward()``, or "the store
+    is unreachable" alone, would say neither)."""
 
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
+            except ControlPlaneError as e:
+                cause = e.__cause__
+                if e.culprits or not isinstance(cause, (RuntimeError, OSError)):
+                    raise  # not a store call that failed, or it names who it can already
+                rt = args[0] if args and isinstance(args[0], Runtime) else None
+                raise _store_error(rt, what, cause) from cause
             except _STORE_ERRORS as e:
                 rt = args[0] if args and isinstance(args[0], Runtime) else None
-                host = rt.store_host_culprit() if rt is not None else None
-                who = f"rank {rt.rank}" if rt is not None else "this process"
-                message = (
-                    f"{who}: the control-plane store stopped answering during elastic {what} "
-                    f"({type(e).__name__}: {e})"
-                )
-                if host is not None:
-                    message += f"; rank {host.rank} hosted it and {host.what}"
-                if rt is not None:
-                    rt.mark_raised()
-                raise ControlPlaneError(
-                    message,
-                    culprits=[host] if host is not None else [],
-                    generation=rt.generation if rt is not None else 0,
-                ) from e
+                raise _store_error(rt, what, e) from e
 
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def _store_error(rt: Runtime | None, what: str, e: BaseException) -> ControlPlaneError:
+    """The error for a store that stopped answering during elastic ``what``, naming the
+    rank that hosted it where that is known."""
+    host = rt.store_host_culprit() if rt is not None else None
+    who = f"rank {rt.rank}" if rt is not None else "this process"
+    message = (
+        f"{who}: the control-plane store stopped answering during elastic {what} "
+        f"({type(e).__name__}: {e})"
+    )
+    if host is not None:
+        message += f"; rank {host.rank} hosted it and {host.what}"
+    if rt is not None:
+        rt.mark_raised()
+    return ControlPlaneError(
+        message,
+        culprits=[host] if host is not None else [],
+        generation=rt.generation if rt is not None else 0,
+    )
 
 
 def setup(rt: Runtime) -> None:
