@@ -285,3 +285,80 @@ def test_a_dead_store_during_elastic_work_is_a_typed_error_naming_the_work() -> 
     del server  # the store's host is gone
     with pytest.raises(ControlPlaneError, match="stopped answering during elastic testing"):
         work(rt)
+
+
+_CONTAINER_RANK = """
+import sys, torch, resilient_ddp as rd
+rd.init_process_group("gloo")
+model = rd.ResilientDDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(30):
+    model(torch.ones(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("done", rd.all_reduce(torch.ones(1)).item(), flush=True)
+rd.destroy_process_group()
+"""
+
+
+# A PID namespace of its own, with its own /proc, as a container has.
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork"]
+
+
+@pytest.mark.skipif(
+    subprocess.run([*_UNSHARE, "--mount-proc", "true"], capture_output=True, check=False).returncode
+    != 0,
+    reason="needs unprivileged user and PID namespaces (unshare)",
+)
+def test_a_rank_in_another_pid_namespace_is_not_reported_dead(tmp_path: Path) -> None:
+    """Three ranks on one host with one network, started as srun would (env://, rank 0
+    hosts the store); rank 2 runs in a PID namespace of its own, as in a container with
+    host networking. Its pid means nothing to the others: they must judge it by its
+    heartbeats, and the job trains to the end (it used to be reported dead at the first
+    heartbeat tick)."""
+    import os
+    import sys
+
+    probe = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = probe.port
+    del probe
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "3",
+        "RESILIENT_DDP_HEARTBEAT_INTERVAL": "0.1",
+        "RESILIENT_DDP_HEARTBEAT_TIMEOUT": "3",
+    }
+    for key in ("RESILIENT_DDP_STORE", "RESILIENT_DDP_JOB_ID", "RESILIENT_DDP_SECRET"):
+        env.pop(key, None)
+    procs = []
+    logs = []
+    for rank in range(3):
+        prefix = [*_UNSHARE, "--mount-proc"] if rank == 2 else []
+        log = (tmp_path / f"rank{rank}.log").open("w")
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [*prefix, sys.executable, "-c", _CONTAINER_RANK],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    try:
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    report = "\n".join(
+        f"--- rank {r} (exit {p.returncode})\n" + (tmp_path / f"rank{r}.log").read_text()
+        for r, p in enumerate(procs)
+    )
+    assert codes == [0, 0, 0], report
+    for r in range(3):
+        assert "done 3.0" in (tmp_path / f"rank{r}.log").read_text(), report
