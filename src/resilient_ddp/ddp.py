@@ -50,7 +50,7 @@ from .errors import (
     ResilientDDPError,
     format_rank_table,
 )
-from .process_group import ensure_runtime
+from .process_group import _group_users, ensure_runtime, release_retired
 
 __all__ = ["ResilientDDP"]
 
@@ -186,6 +186,7 @@ class ResilientDDP(DistributedDataParallel):
         # keep this model alive through its own reducer.
         DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
         _install_optimizer_hooks()
+        _group_users.add(self)  # its reducer holds its group (see release_retired)
 
     def __del__(self) -> None:
         """Let the reducer and DDP's logger go before the process group.
@@ -429,6 +430,8 @@ class ResilientDDP(DistributedDataParallel):
         rt = _runtime.current()
         if rt is not None and rt.elastic is not None:
             rt.elastic.rebuild = False
+        # The group the old reducer held (retired by the rebuild) can go now.
+        release_retired()
 
     def _rd_release_stuck_reducer(self) -> None:
         """Let go of a reducer whose bucket exchange is still stuck in the backend.
@@ -600,12 +603,15 @@ class ResilientDDP(DistributedDataParallel):
                 time.monotonic() - self._rd_compute_start,
             ]
             rt.compute_s = sorted(self.compute_times)[len(self.compute_times) // 2]
+        rest = ops  # not waited for (yet)
         try:
             if error is not None:
                 raise error
-            for op, p, keep in ops:
+            for i, (op, p, keep) in enumerate(ops):
+                rest = ops[i + 1 :]
                 op.wait_pending(p, keep)
         except RankFailureError as e:
+            rest = _forget_ops(rest)
             if rt is None or rt.elastic is None or isinstance(e, ControlPlaneError):
                 raise
             rt.end_op()
@@ -615,6 +621,7 @@ class ResilientDDP(DistributedDataParallel):
                 self._rd_buckets = []
                 rt.elastic.commit(rt.elastic.members)
         finally:
+            _forget_ops(rest)
             if rt is not None:
                 rt.end_op()
                 rt.phase = "after_backward"
@@ -748,6 +755,24 @@ def _resilient_hook(
         # fails it when a peer fails.
         inner.add_done_callback(lambda _: _settle_shadow(rt, p))
     return result
+
+
+def _forget_ops(ops: list[tuple[_Op, PendingOp, Any]]) -> list[Any]:
+    """Unregister the ops of a backward pass that failed before they were waited for.
+
+    Otherwise each failed pass left its later buckets' ops registered for good (one per
+    kill-and-rejoin cycle in the generation-leak test), each holding its bucket's future
+    and the value it was settled with. Their works are kept as a failed wait keeps its own
+    (``Runtime.stuck``): released with their group once it is retired.
+
+    Returns:
+        An empty list (nothing left to forget).
+    """
+    for op, p, keep in ops:
+        op.rt.unregister(p)
+        if not p.done or p.backend_error is not None:
+            op.rt.stuck.append(keep)
+    return []
 
 
 def _settle_shadow(rt: Runtime, p: PendingOp) -> None:

@@ -18,7 +18,7 @@ from . import _control as ctl
 from ._backend import abort_group, default_pg_timeout, forget_failed_init
 from ._runtime import Runtime
 from .errors import PreflightError, RankFailureError
-from .process_group import _join_control_plane
+from .process_group import _join_control_plane, release_retired, retire_group
 
 __all__: list[str] = []
 
@@ -103,9 +103,8 @@ def rebuild(
         # An aborted gloo group must be abandoned, never reused; abort first so
         # that destroy does not wait on the stale op.
         abort_group()
-        from .process_group import _abandoned
-
-        _abandoned.append((dist.group.WORLD, list(rt.stuck)))
+        # Kept until no reducer holds it, then released (see release_retired).
+        retire_group(dist.group.WORLD, rt.stuck)
         rt.stuck.clear()
         dist.destroy_process_group()
     store = dist.PrefixStore(f"g{generation}/pg", rt.control_root)
@@ -148,3 +147,7 @@ def rebuild(
     if rt.rank == 0:
         # The launcher (rd.spawn) reads the current generation from here.
         rt.control_root.set("gen", str(generation))
+    # Earlier generations' groups that no reducer holds any more (ResilientDDP releases the
+    # one it leaves when it rebuilds its reducer). Inside a recovery: a release that does
+    # not end at once goes on in the background.
+    release_retired(wait_s=0.1)
