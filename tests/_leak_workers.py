@@ -71,6 +71,15 @@ def resources() -> dict[str, int]:
     return {"fds": min(fds), "threads": min(threads), "rss_kib": raw, "live_kib": _rss_kib()}
 
 
+def _store_keys() -> int:
+    """Keys in the job's store (all of them: the library's and torch's)."""
+    from resilient_ddp import _runtime
+
+    rt = _runtime.current()
+    assert rt is not None
+    return int(rt.control_root.base.num_keys())
+
+
 def _cfg() -> rd.ResilienceConfig:
     return rd.ResilienceConfig(
         on_failure="shrink",
@@ -124,7 +133,7 @@ def cycles(rank: int, n_cycles: int, deadline_s: float) -> dict[str, Any]:
         step, whole = stats["step"], stats["world_size"] == WORLD
         if whole and done and step >= at + SAMPLE_AFTER and done != sampled:
             sampled = done
-            samples.append({"cycle": done, "step": step, **resources()})
+            samples.append({"cycle": done, "step": step, **resources(), "keys": _store_keys()})
             print(f"[pid {os.getpid()} rank {stats['rank']}] {samples[-1]}", flush=True)
         if whole and done >= n_cycles and step >= at + END_AFTER:
             break

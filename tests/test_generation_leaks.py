@@ -30,12 +30,12 @@ LIVE_RSS_TOLERANCE_KIB = 8 * 1024
 
 
 def _table(finals: list[dict[str, Any]]) -> str:
-    lines = ["pid     uid  cycle  fds  threads  rss_MiB  live_MiB"]
+    lines = ["pid     uid  cycle  fds  threads  rss_MiB  live_MiB  store_keys"]
     for v in finals:
         for s in v["samples"]:
             lines.append(
                 f"{v['pid']:<7} {v['uid']:<4} {s['cycle']:>5}  {s['fds']:>3}  {s['threads']:>7}"
-                f"  {s['rss_kib'] / 1024:7.1f}  {s['live_kib'] / 1024:8.1f}"
+                f"  {s['rss_kib'] / 1024:7.1f}  {s['live_kib'] / 1024:8.1f}  {s['keys']:>10}"
             )
     return "\n".join(lines)
 
@@ -46,7 +46,8 @@ def test_fds_threads_and_memory_stay_flat_over_twenty_kill_and_rejoin_cycles() -
     hold bucket tensors), the 3 others shrink, and the launcher's replacement joins. Every
     process samples its descriptors, threads and RSS once per cycle: for the 3 that live
     through all of it, descriptors and threads never change from the first cycle's, and
-    live memory stays within LIVE_RSS_TOLERANCE_KIB of it."""
+    live memory stays within LIVE_RSS_TOLERANCE_KIB of it. The job's store holds one more
+    key per cycle at most (the admitted joiner's record)."""
     outcomes = run_ranks(
         w.cycles,
         w.WORLD,
@@ -71,5 +72,9 @@ def test_fds_threads_and_memory_stay_flat_over_twenty_kill_and_rejoin_cycles() -
         assert {s["threads"] for s in samples} == {first["threads"]}, f"threads grew\n{table}"
         growth = max(s["live_kib"] for s in samples) - first["live_kib"]
         assert growth <= LIVE_RSS_TOLERANCE_KIB, f"live memory grew {growth} KiB\n{table}"
+    # The job's store: every generation's keys are deleted once two newer ones exist; one
+    # key per admitted joiner stays (it is never pending again).
+    keys = [s["keys"] for s in finals[0]["samples"]]
+    assert keys[-1] - keys[0] <= CYCLES - 1, f"store keys grew\n{table}"
     # The last joiner (a fresh process) sampled the cycle that admitted it.
     assert [s["cycle"] for s in finals[w.VICTIM_RANK]["samples"]] == [CYCLES], table

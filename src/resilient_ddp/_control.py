@@ -611,7 +611,11 @@ class JobStore:
         self._put(f"join/adm/{uid}", admission)
 
     def mark_admitted(self, uid: int) -> None:
+        """``uid`` was admitted: it is never pending again, and its admission record and
+        failed-try counter are no longer read (deleted: one key per joiner stays)."""
         self._flag(f"join/done/{uid}")
+        self._c(self.root.delete_key, f"join/adm/{uid}")
+        self._c(self.root.delete_key, f"join/tries/{uid}")
 
     def admitted(self, uid: int) -> bool:
         return self._has(f"join/done/{uid}")
@@ -652,8 +656,9 @@ class JobStore:
         """Delete generation ``generation``'s keys (``world`` ranks): its heartbeats,
         identities, events, claims and mismatch tables, and the job's keys of its shrink
         rounds (the first ``rounds``), formation, admission and acknowledgements (of the
-        request counts in ``acked``). torch's own rendezvous keys of the generation's group
-        (``g<N>/pg/...``) cannot be listed and stay.
+        request counts in ``acked``), and the rendezvous keys torch 2.13's gloo writes for
+        the generation's group (``g<N>/pg/0//cpu//0/<r>``; other torch versions may
+        write others, which stay).
 
         Returns:
             How many keys were deleted.
@@ -662,6 +667,8 @@ class JobStore:
         keys = [f"{g}/ev/n", f"{g}/ev/log", f"{g}/diag", f"left/{g}"]
         for r in range(world):
             keys += [f"{g}/info/{r}", f"{g}/state/{r}", f"{g}/claim/{r}"]
+            # torch 2.13's gloo rendezvous of the generation's default group, per rank
+            keys += [f"{g}/pg/0//cpu//0/{r}", f"{g}/pg/0//cuda//0/{r}"]
             keys += [f"form/{g}/{r}", f"adm/{g}/ok/{r}"]
             keys += [f"{g}/mm/{k}/{r}" for k in range(1, mismatches + 1)]
             keys += [ack_key(generation, n, r) for n in acked]
