@@ -168,6 +168,88 @@ def mac_key(store: dist.Store) -> bytes | None:
     return None
 
 
+STORE_ENV = "RESILIENT_DDP_STORE"
+
+
+def control_store(
+    explicit: dist.Store | None = None,
+    *,
+    joiner: bool = False,
+    timeout: timedelta = timedelta(seconds=60),
+) -> dist.Store:
+    """The store that carries the control plane, inside this job's namespace ``rd/<job>/``.
+
+    The store: under :func:`resilient_ddp.spawn` the launcher's (named in
+    ``RESILIENT_DDP_STORE``), which outlives every rank; otherwise the store given to
+    ``init_process_group`` or torch's default store (torchrun's agent store under torchrun).
+
+    The job: ``RESILIENT_DDP_JOB_ID`` when set (:func:`resilient_ddp.spawn` sets it);
+    otherwise rank 0 draws a fresh one and hands it to the others through torch's default
+    store, which is new for every job (and every torchrun attempt), and records it in the
+    control store for joiners. A joiner that was not given one takes the last job that
+    started on the store. So no job ever reads another's keys on a long-lived store.
+
+    Blocks at most ``timeout`` (the ranks other than 0 wait for rank 0's job id).
+
+    Raises:
+        ConfigError: ``RESILIENT_DDP_JOB_ID`` is not a valid id.
+        PreflightError: No job id arrived in time (rank 0, or for a joiner any job, never
+            started on this store).
+    """
+    addr = os.environ.get(STORE_ENV)
+    if addr:
+        host, _, port = addr.rpartition(":")
+        root: dist.Store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=60)
+        )
+    elif explicit is not None:
+        root = explicit
+    else:
+        from ._torchelastic import attempt_namespace
+
+        # A group the user created has no attempt namespace of its own: without one, a
+        # restarted torchrun attempt would read the previous attempt's control plane.
+        root = attempt_namespace(dist.distributed_c10d._get_default_store())
+    job = os.environ.get(JOB_ENV)
+    if job:
+        job = check_job_id(job)
+    elif joiner:
+        job = _wait_text(root, CURRENT_JOB_KEY, timeout, "no job has started on this store")
+    else:
+        job = _job_of_this_group(timeout)
+    if not joiner and (not dist.is_initialized() or dist.get_rank() == 0):
+        root.set(CURRENT_JOB_KEY, job)
+    return root_prefix(root, job)
+
+
+_JOB_KEY = "resilient_ddp/job_id"
+
+
+def _job_of_this_group(timeout: timedelta) -> str:
+    """Rank 0 draws the job id and shares it through torch's default store (new for each
+    job); the other ranks wait for it."""
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        job = new_job_id()
+        store.set(_JOB_KEY, job)
+        return job
+    return _wait_text(store, _JOB_KEY, timeout, "rank 0 did not publish the job id")
+
+
+def _wait_text(store: dist.Store, key: str, timeout: timedelta, why: str) -> str:
+    try:
+        store.wait([key], timeout)
+        return check_job_id(store.get(key).decode())
+    except (RuntimeError, OSError, UnicodeDecodeError) as e:
+        from .errors import PreflightError
+
+        raise PreflightError(
+            f"this process could not find its job on the store within {timeout}: {why} "
+            f"({type(e).__name__}: {e})",
+            problems=[why],
+        ) from e
+
+
 # A record larger than this is cut (its longest text fields first) before it is written:
 # the store refuses values over 8 MiB, and that refusal would read as a lost store.
 MAX_RECORD_BYTES = 256 << 10

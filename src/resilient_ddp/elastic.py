@@ -862,9 +862,8 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     import torch._dynamo  # noqa: F401
 
     from .errors import PreflightError
-    from .process_group import STORE_ENV, control_store
 
-    root = control_store(None, joiner=True, timeout=timeout)
+    root = ctl.control_store(None, joiner=True, timeout=timeout)
     jobs = _jobs(root)
     uid = int(os.environ[UID_ENV]) if UID_ENV in os.environ else 1_000_000 + jobs.new_joiner_uid()
     identity = ctl.my_identity(-1)
@@ -885,7 +884,7 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
                 f"this process (member id {uid}) asked to join the running job but was not "
                 f"admitted within {timeout}: is a job with on_failure='shrink' running on "
                 "this store, and still training? The job's ranks and this process must "
-                f"share one store ({STORE_ENV}=<host>:<port>; under torchrun see the "
+                f"share one store ({ctl.STORE_ENV}=<host>:<port>; under torchrun see the "
                 "recipe in the elastic training docs)",
                 problems=["joiner not admitted"],
             )

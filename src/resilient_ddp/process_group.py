@@ -30,7 +30,7 @@ __all__ = ["destroy_process_group", "init_process_group", "is_initialized"]
 
 log = logging.getLogger("resilient_ddp")
 
-STORE_ENV = "RESILIENT_DDP_STORE"
+STORE_ENV = ctl.STORE_ENV
 
 
 def init_process_group(
@@ -147,83 +147,6 @@ def is_initialized() -> bool:
     return _runtime.current() is not None
 
 
-def control_store(
-    explicit: dist.Store | None = None,
-    *,
-    joiner: bool = False,
-    timeout: timedelta = timedelta(seconds=60),
-) -> dist.Store:
-    """The store that carries the control plane, inside this job's namespace ``rd/<job>/``.
-
-    The store: under :func:`resilient_ddp.spawn` the launcher's (named in
-    ``RESILIENT_DDP_STORE``), which outlives every rank; otherwise the store given to
-    ``init_process_group`` or torch's default store (torchrun's agent store under torchrun).
-
-    The job: ``RESILIENT_DDP_JOB_ID`` when set (:func:`resilient_ddp.spawn` sets it);
-    otherwise rank 0 draws a fresh one and hands it to the others through torch's default
-    store, which is new for every job (and every torchrun attempt), and records it in the
-    control store for joiners. A joiner that was not given one takes the last job that
-    started on the store. So no job ever reads another's keys on a long-lived store.
-
-    Blocks at most ``timeout`` (the ranks other than 0 wait for rank 0's job id).
-
-    Raises:
-        ConfigError: ``RESILIENT_DDP_JOB_ID`` is not a valid id.
-        PreflightError: No job id arrived in time (rank 0, or for a joiner any job, never
-            started on this store).
-    """
-    addr = os.environ.get(STORE_ENV)
-    if addr:
-        host, _, port = addr.rpartition(":")
-        root: dist.Store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=60)
-        )
-    elif explicit is not None:
-        root = explicit
-    else:
-        from ._torchelastic import attempt_namespace
-
-        # A group the user created has no attempt namespace of its own: without one, a
-        # restarted torchrun attempt would read the previous attempt's control plane.
-        root = attempt_namespace(dist.distributed_c10d._get_default_store())
-    job = os.environ.get(ctl.JOB_ENV)
-    if job:
-        job = ctl.check_job_id(job)
-    elif joiner:
-        job = _wait_text(root, ctl.CURRENT_JOB_KEY, timeout, "no job has started on this store")
-    else:
-        job = _job_of_this_group(timeout)
-    if not joiner and (not dist.is_initialized() or dist.get_rank() == 0):
-        root.set(ctl.CURRENT_JOB_KEY, job)
-    return ctl.root_prefix(root, job)
-
-
-_JOB_KEY = "resilient_ddp/job_id"
-
-
-def _job_of_this_group(timeout: timedelta) -> str:
-    """Rank 0 draws the job id and shares it through torch's default store (new for each
-    job); the other ranks wait for it."""
-    store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() == 0:
-        job = ctl.new_job_id()
-        store.set(_JOB_KEY, job)
-        return job
-    return _wait_text(store, _JOB_KEY, timeout, "rank 0 did not publish the job id")
-
-
-def _wait_text(store: dist.Store, key: str, timeout: timedelta, why: str) -> str:
-    try:
-        store.wait([key], timeout)
-        return ctl.check_job_id(store.get(key).decode())
-    except (RuntimeError, OSError, UnicodeDecodeError) as e:
-        raise PreflightError(
-            f"this process could not find its job on the store within {timeout}: {why} "
-            f"({type(e).__name__}: {e})",
-            problems=[why],
-        ) from e
-
-
 def attach(
     config: ResilienceConfig | None = None,
     *,
@@ -248,7 +171,7 @@ def attach(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         backend=backend_name(),
-        control_root=control_store(store, timeout=cfg.init_timeout),
+        control_root=ctl.control_store(store, timeout=cfg.init_timeout),
         config=cfg,
     )
     _join_control_plane(rt)
