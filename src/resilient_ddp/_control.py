@@ -26,8 +26,8 @@ The job (:class:`JobStore`), under ``rd/<job>/``:
 =========================  ===================================================
 ``gen``                    the current generation (set by its rank 0)
 ``gen_seq``                generation numbers drawn so far (a counter)
-``retry/<seq>/<a>``        group-retry votes for op ``seq``, attempt ``a``; ``/abort``
-``retry/<seq>/<a>/gen/g<N>``  the generation that retry forms (``compare_set``)
+``g<N>/retry/<seq>/<a>``   group-retry votes for op ``seq``, attempt ``a``; ``/abort``
+``g<N>/retry/<seq>/<a>/gen``  the generation that retry forms (slots as below)
 ``rec/g<N>/r<k>/log``      shrink round ``k`` after generation ``N``: proposals
 ``rec/g<N>/r<k>/d``        its decision (first valid of 4 ``compare_set`` slots)
 ``form/g<N>/<r>``          rank ``r`` arrived to form generation ``N``
@@ -431,6 +431,23 @@ class ControlPlane:
         self._call(self.store.add, "ev/n", 0)
         self._call(self.store.add, "diag", 0)
 
+    def wait_attached(self, world: int, timeout: timedelta) -> list[int]:
+        """Wait until every rank of ``range(world)`` published its identity and its first
+        heartbeat, at most ``timeout``.
+
+        Returns:
+            The ranks that did not attach in time (empty when all did).
+
+        Raises:
+            ControlPlaneError: The store is unreachable.
+        """
+        keys = [f"state/{r}" for r in range(world)] + [f"info/{r}" for r in range(world)]
+        try:
+            self.wait_keys(keys, timeout)
+        except (RuntimeError, OSError):  # DistStoreError: the keys did not all appear
+            return [r for r in range(world) if not self.has_state(r)]
+        return []
+
     def wait_keys(self, keys: Iterable[str], timeout: timedelta) -> None:
         """Block until every key exists, at most ``timeout``.
 
@@ -443,10 +460,19 @@ class ControlPlane:
     def poll(self, watched: Sequence[int]) -> tuple[int, int, dict[int, dict[str, Any]]]:
         """Read, in one round trip, the event count, the diagnosis counter and the states of
         the watched ranks."""
-        keys = ["ev/n", "diag"] + [f"state/{r}" for r in watched]
-        raw = self._call(self.store.multi_get, keys)
-        states = self._parse(keys[2:], watched, raw[2:])
-        return _count(raw[0]), _count(raw[1]), states
+        n_events, diag, states, _ = self.poll_all(watched, joins=False)
+        return n_events, diag, states
+
+    def poll_all(
+        self, watched: Sequence[int], *, joins: bool
+    ) -> tuple[int, int, dict[int, dict[str, Any]], int]:
+        """:meth:`poll`, and with ``joins`` the job's join request counter (``join/n``,
+        which elastic training creates), still in one round trip; -1 without."""
+        g = f"g{self.generation}"
+        keys = [f"{g}/ev/n", f"{g}/diag"] + [f"{g}/state/{r}" for r in watched]
+        raw = self._call(self.root.multi_get, keys + (["join/n"] if joins else []))
+        states = self._parse(keys[2:], watched, raw[2 : 2 + len(watched)], prefixed=True)
+        return _count(raw[0]), _count(raw[1]), states, _count(raw[-1]) if joins else -1
 
     # -- events ------------------------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:
@@ -521,11 +547,16 @@ class ControlPlane:
         return self._parse(keys, ranks, raw)
 
     def _parse(
-        self, keys: Sequence[str], ranks: Sequence[int], raw: Sequence[bytes]
+        self,
+        keys: Sequence[str],
+        ranks: Sequence[int],
+        raw: Sequence[bytes],
+        *,
+        prefixed: bool = False,
     ) -> dict[int, dict[str, Any]]:
         out = {}
         for key, r, v in zip(keys, ranks, raw, strict=True):
-            rec = unseal_dict(self.key, self._name(key), v)
+            rec = unseal_dict(self.key, key if prefixed else self._name(key), v)
             if rec is not None:
                 out[r] = rec
         return out
@@ -625,6 +656,31 @@ class JobStore:
         """The current generation (0 before any rebuild)."""
         raw = self._c(self.root.get, "gen") if self._has("gen") else b"0"
         return _count(raw)
+
+    def set_generation(self, generation: int) -> None:
+        """Record the current generation (rank 0 of it does; the launcher reads it)."""
+        self._c(self.root.set, "gen", str(generation))
+
+    def vote_retry(self, generation: int, seq: int, attempt: int) -> int:
+        """Vote, as one rank of ``generation``, to redo op ``seq`` (``attempt``); return
+        the votes so far."""
+        return int(self._c(self.root.add, f"g{generation}/retry/{seq}/{attempt}", 1))
+
+    def retry_votes(self, generation: int, seq: int, attempt: int) -> int:
+        return self._counter(f"g{generation}/retry/{seq}/{attempt}")
+
+    def call_off_retry(self, generation: int, seq: int, attempt: int) -> None:
+        """A rank gave up: nobody retries op ``seq`` (``attempt``)."""
+        self._flag(f"g{generation}/retry/{seq}/{attempt}/abort")
+
+    def retry_called_off(self, generation: int, seq: int, attempt: int) -> bool:
+        return self._has(f"g{generation}/retry/{seq}/{attempt}/abort")
+
+    def retry_generation(self, generation: int, seq: int, attempt: int) -> int:
+        """The generation the retry of op ``seq`` forms: the first voter's draw."""
+        key = f"g{generation}/retry/{seq}/{attempt}/gen"
+        taken = self.decide(key, {"gen": self.next_generation()})
+        return int(taken["gen"])
 
     def next_generation(self) -> int:
         """A generation number no group has used, above every one used so far."""

@@ -235,9 +235,10 @@ def setup(rt: Runtime) -> None:
     """Give a runtime of generation 0 its elastic state (``on_failure="shrink"``)."""
     if rt.config.on_failure != "shrink" or getattr(rt, "elastic", None) is not None:
         return
+    # The counter first: the watchdog reads it in its poll once rt.elastic is set.
+    _jobs(rt.control_root).init_joins()
     # The first generation's member ids are its ranks; joiners get other ids.
     rt.elastic = Elastic(uid=rt.rank, members=list(range(rt.world_size)))
-    _jobs(rt.control_root).init_joins()
     rt.elastic.note_world(rt, "start")
 
 

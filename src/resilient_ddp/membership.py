@@ -37,11 +37,11 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
             or failed), a failure was reported meanwhile, or the new group could not form
             within the budget. Nobody retries then.
     """
-    store = rt.control.store
-    key = f"retry/{seq}/{attempt}"
-    votes = int(store.add(key, 1))
-    while votes < rt.world_size or store.check([key + "/abort"]):
-        if store.check([key + "/abort"]):
+    jobs = ctl.JobStore(rt.control_root)
+    g = rt.generation
+    votes = jobs.vote_retry(g, seq, attempt)
+    while votes < rt.world_size or jobs.retry_called_off(g, seq, attempt):
+        if jobs.retry_called_off(g, seq, attempt):
             raise RankFailureError(
                 f"{name}#{seq}: the group retry was called off by a rank that gave up",
                 op=name,
@@ -51,7 +51,7 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
         if rt.failed_for(seq):
             raise rt.build_error(name, seq)
         if time.monotonic() >= deadline:
-            store.set(key + "/abort", "1")
+            jobs.call_off_retry(g, seq, attempt)
             rt.mark_raised()
             raise RankFailureError(
                 f"{name}#{seq}: only {votes} of {rt.world_size} ranks agreed to retry within "
@@ -61,11 +61,10 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
                 generation=rt.generation,
             )
         time.sleep(0.02)
-        votes = int(store.add(key, 0))
+        votes = jobs.retry_votes(g, seq, attempt)
     # Generation numbers come from one counter in the store (elastic training draws from it
     # too); the first voter's draw is the one every rank uses.
-    draw = int(rt.control_root.add("gen_seq", 1))
-    gen = int(rt.control_root.compare_set(f"{key}/gen/g{rt.generation}", "", str(draw)))
+    gen = jobs.retry_generation(g, seq, attempt)
     rebuild(rt, gen, timeout_s=max(1.0, deadline - time.monotonic()))
     log.warning(
         "rank %d: %s#%d retried as a group (attempt %d), now generation %d",
@@ -146,7 +145,7 @@ def rebuild(
         raise RankFailureError(str(e), generation=generation) from e
     if rt.rank == 0:
         # The launcher (rd.spawn) reads the current generation from here.
-        rt.control_root.set("gen", str(generation))
+        ctl.JobStore(rt.control_root).set_generation(generation)
     # Earlier generations' groups that no reducer holds any more (ResilientDDP releases the
     # one it leaves when it rebuilds its reducer). Inside a recovery: a release that does
     # not end at once goes on in the background.

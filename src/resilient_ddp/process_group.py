@@ -196,18 +196,14 @@ def _join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:
     c.publish_info(rt.rank, rt.identity)
     c.init_counters()
     c.publish_state(rt.rank, rt.snapshot(0))
-    keys = [f"state/{r}" for r in range(rt.world_size)]
-    keys += [f"info/{r}" for r in range(rt.world_size)]
-    try:
-        c.wait_keys(keys, timeout)
-    except Exception as e:
-        missing = [r for r in range(rt.world_size) if not c.has_state(r)]
+    missing = c.wait_attached(rt.world_size, timeout)
+    if missing:
         raise PreflightError(
             f"Rank(s) {missing} did not attach to resilient_ddp within "
             f"{timeout}: every rank must call resilient_ddp.init_process_group() "
             "(or its first resilient_ddp collective) at start-up.",
             problems=[f"rank {r} never attached" for r in missing],
-        ) from e
+        )
     rt.infos = c.read_infos(list(range(rt.world_size)))
     rt.watchdog = Watchdog(rt)
     rt.watchdog.start()

@@ -290,7 +290,9 @@ class Watchdog(threading.Thread):
         # showed its exit.)
         self._check_section()
         self.control.publish_state(rt.rank, self._state())
-        n_events, diag, states = self.control.poll(self.watched)
+        n_events, diag, states, joins = self.control.poll_all(
+            self.watched, joins=rt.elastic is not None
+        )
         states = self._usable_states(states)
         if n_events != self._last_count:
             # A poster that died between appending its line and bumping ev/n leaves the
@@ -306,11 +308,9 @@ class Watchdog(threading.Thread):
         if diag > self._diag_answered:
             self._diag_answered = diag
             self.control.publish_state(rt.rank, self._state(with_stack=True))
-        if rt.elastic is not None:
-            # Join requests: the main thread acknowledges them at its next forward.
-            joins = int(self.control.root.add("join/n", 0))
-            if joins > rt.elastic.joins_seen:
-                rt.elastic.join_seen = True
+        # Join requests: the main thread acknowledges them at its next forward.
+        if rt.elastic is not None and joins > rt.elastic.joins_seen:
+            rt.elastic.join_seen = True
         self._check_heartbeats(states)
         rt.check_told()
         self._check_local_processes()
