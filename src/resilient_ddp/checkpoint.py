@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ._backend import comm_device
 from ._wire import SafeUnpickler, dumps, loads
-from .collectives import Duration, _Op, _sig
+from .collectives import Duration, Op, op_signature
 from .errors import CollectiveMismatchError, ConfigError, Culprit, RankFailureError
 from .process_group import ensure_runtime
 
@@ -84,10 +84,10 @@ def broadcast_state_dict(
         raise ConfigError(f"src should be in [0, {world - 1}], got {src}")
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes should be positive, got {chunk_bytes}")
-    o = _Op("broadcast_state_dict", None, timeout, None, 1, True)
+    o = Op("broadcast_state_dict", timeout=timeout, retry=1, validate=True)
     return o.run(
         lambda: _broadcast(o, state_dict, src, device, chunk_bytes, None, weights_only),
-        signature=lambda: _sig("broadcast_state_dict", src=src),
+        signature=lambda: op_signature("broadcast_state_dict", src=src),
     )
 
 
@@ -114,10 +114,10 @@ def send_state_dict(
         RankFailureError: On ``src`` and ``dsts``: the other side of the transfer died,
             left, stopped or hangs; names it.
     """
-    o = _Op("send_state_dict", None, timeout, None, 1, True)
+    o = Op("send_state_dict", timeout=timeout, retry=1, validate=True)
     return o.run(
         lambda: _broadcast(o, state_dict, src, None, chunk_bytes, sorted(dsts), weights_only),
-        signature=lambda: _sig("send_state_dict", src=src),
+        signature=lambda: op_signature("send_state_dict", src=src),
     )
 
 
@@ -200,7 +200,7 @@ class _LoadFailed:
 
 
 def _broadcast(
-    o: _Op,
+    o: Op,
     state: Any,
     src: int,
     device: torch.device | str | None,

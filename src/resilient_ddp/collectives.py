@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -56,6 +56,7 @@ __all__ = [
 log = logging.getLogger("resilient_ddp")
 
 T = TypeVar("T")
+_Vote = TypeVar("_Vote", int, str)  # what ranks vote on in majority()
 Duration = timedelta | float | int | None
 _MAX_NDIM = 16
 _MAX_SLICE_S = 0.25  # longest backend wait between two checks for recorded failures
@@ -130,17 +131,73 @@ def _retries(policy: RetryPolicy | tenacity.Retrying, budget_s: float) -> tenaci
     )
 
 
-class _Op:
-    """One user-facing collective: its sequence number, budgets and bookkeeping."""
+class Op:
+    """One op of the library, bounded in time: THE internal API through which every
+    collective, transfer and wait of the library goes (the public collectives,
+    :func:`gather_to_rank0`, :func:`broadcast_state_dict`, :func:`send_state_dict`,
+    ``distributed_inference``'s final wait, and :class:`ResilientDDP`'s bucket reductions
+    and bucket layout exchange). Internal: not exported by the package.
+
+    **What it bounds.** Construction begins the op: it takes the op's sequence number
+    (``seq``; the heartbeat shows the rank inside it) and fixes one attempt's timeout
+    (``attempt_s``: how long to wait before the late ranks are diagnosed), the total budget
+    (``budget_s``, from ``start`` to ``deadline``; :meth:`renew` starts both again for ops
+    bounded per chunk), the retry policy and whether to validate. Arguments left ``None``
+    come from the runtime's config; ``retry`` then means one attempt on a group other than
+    the default one.
+
+    **Running it.** :meth:`run` validates (see :meth:`_validate`), calls ``body`` (which
+    issues backend work and waits for it with the strategies below), turns a transient
+    failure into a group retry within the budget, and ends the op. An op waited for
+    elsewhere (DDP's backward pass, ``distributed_inference``) ends it with :meth:`end`.
+
+    **Wait strategies.**
+
+    * :meth:`wait`: a collective's ``work``. CPU (gloo) work is waited for in the backend
+      slice by slice (``_wait_sliced``), checking between slices for failures the watchdog
+      recorded; each attempt timeout, the late ranks are diagnosed, and the same handle is
+      waited on again while they are alive and budget is left. CUDA work is tracked as a
+      pending op (next item), then the current stream waits for the backend's.
+    * Pending ops: :meth:`track` registers a :class:`PendingOp` with the runtime,
+      completed by a backend future (a CUDA work's, a comm hook's, a helper thread's) or
+      failed by the watchdog; :meth:`wait_pending` waits on its event within the same
+      bounds. DDP's comm hook tracks its buckets so and waits at the end of the backward
+      pass; a pass that fails before waiting for them lets them go with :meth:`forget`.
+    * :meth:`wait_p2p`: a send to or a receive from one peer. gloo closes the connection
+      of a point-to-point wait that times out, so it is waited for once, to the end of the
+      attempt, and ``peer`` is named if it fails.
+
+    A backend work or future that did not complete cleanly is never let go
+    (:meth:`keep_stuck`, :meth:`forget`): the garbage collector running a pending gloo
+    work's destructor blocks on a stopped peer or aborts on a dead one. ``Runtime.stuck``
+    holds it until its group is retired.
+
+    Raises:
+        ConfigError: From the constructor: a timeout or budget that is not positive or
+            below the shortest one, a bad ``retry``, or retries on a group other than the
+            default one.
+        RankFailureError: From construction (a failure is already known) and from every
+            wait: a peer crashed, raised, left or stopped; names it (a watchdog verdict
+            when it has one).
+        CollectiveTimeoutError: From the waits: the budget ran out; names the ranks that
+            never arrived (:meth:`raise_timeout`).
+        CollectiveMismatchError: From :meth:`run` with validation: ranks issued
+            different ops.
+        RetryBudgetExhaustedError: From :meth:`run`: every allowed attempt failed.
+        _TransientError: From the waits only when retries are allowed: every rank arrived
+            and is alive, yet the op did not complete. Private: :meth:`run` retries it as a
+            group or turns it into a public error; it never leaves :meth:`run`.
+    """
 
     def __init__(
         self,
         name: str,
-        group: dist.ProcessGroup | None,
-        timeout: Duration,
-        budget: Duration,
-        retry: RetryArg,
-        validate: bool | None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        timeout: Duration = None,
+        budget: Duration = None,
+        retry: RetryArg = None,
+        validate: bool | None = None,
     ) -> None:
         rt = ensure_runtime()
         cfg = rt.config
@@ -178,6 +235,63 @@ class _Op:
         self.start = time.monotonic()
         self.deadline = self.start + self.budget_s
 
+    # -- bookkeeping -------------------------------------------------------------------------
+    def end(self) -> None:
+        """End the op (the heartbeat no longer shows this rank inside it). :meth:`run` calls
+        it; an op that is not run ends itself so."""
+        self.rt.end_op()
+
+    def track(
+        self,
+        completion: torch.futures.Future[Any],
+        *,
+        future: torch.futures.Future[Any] | None = None,
+        result_fn: Callable[[Any], Any] | None = None,
+        hold: bool = False,
+    ) -> PendingOp:
+        """Register a pending op for this op, completed when ``completion`` completes (a
+        backend work's ``get_future()``, a comm hook's future) or failed by the watchdog
+        (at once, if a failure was recorded since the op began).
+
+        Args:
+            completion: The future the backend completes.
+            future: An asynchronous caller's future, completed with ``completion``'s value
+                (through ``result_fn``) or failed with our error (see :class:`PendingOp`).
+            result_fn: Maps ``completion``'s value to ``future``'s.
+            hold: Failures only wake the waiting thread; the caller settles ``future``
+                (elastic training, after a recovery).
+
+        Returns:
+            The registered op: wait for it with :meth:`wait_pending`, or let it go with
+            :meth:`forget` (or :meth:`untrack`).
+        """
+        p = PendingOp(self.name, self.seq, future=future, result_fn=result_fn)
+        p.hold = hold
+        self.rt.register(p)
+        p.attach_future(completion)
+        return p
+
+    def untrack(self, p: PendingOp) -> None:
+        """Unregister the pending op ``p``: the watchdog no longer fails it."""
+        self.rt.unregister(p)
+
+    def forget(self, p: PendingOp, work: Any) -> None:
+        """Unregister the pending op ``p``; keep its ``work`` (or future) for good unless it
+        completed cleanly (see :meth:`keep_stuck`)."""
+        self.untrack(p)
+        if not p.done or p.backend_error is not None:
+            # Never let a failed gloo work be destructed by the garbage collector: its
+            # destructor can block on a stopped peer or throw (SIGABRT) on a dead one.
+            self.rt.stuck.append(work)
+
+    def keep_stuck(self, work: Any) -> None:
+        """Keep a backend ``work`` that is still pending for good (``Runtime.stuck``,
+        released with its group once that is retired): a pending gloo work's destructor
+        blocks on a stopped peer until the backend timeout."""
+        if not work.is_completed():
+            self.rt.stuck.append(work)
+
+    # -- running -----------------------------------------------------------------------------
     def run(
         self,
         body: Callable[[], T],
@@ -191,7 +305,7 @@ class _Op:
         """
         try:
             if self.validate:
-                _validate(self, signature())
+                self._validate(signature())
             saved = [t.detach().clone() for t in inplace] if self.may_retry else []
             try:
                 return body()  # the healthy path: no retry machinery at all
@@ -219,7 +333,51 @@ class _Op:
                 last_attempt=final,
             ) from final
         finally:
-            self.rt.end_op()
+            self.end()
+
+    def _validate(self, sig: dict[str, Any]) -> None:
+        """Compare this op's signature ``sig`` (and sequence number) across ranks: a
+        one-element MAX all-reduce of a fingerprint and of its negation.
+
+        Raises:
+            CollectiveMismatchError: On every rank, when the fingerprints differ; names the
+                ranks that differ from the majority, with a per-rank table.
+        """
+        rt = self.rt
+        h = _fingerprint(self.seq, sig)
+        probe = torch.tensor([h, -h], dtype=torch.int64, device=comm_device(self.group))
+        self.wait(
+            dist.all_reduce(probe, dist.ReduceOp.MAX, group=self.group, async_op=True),
+            cuda=probe.is_cuda,
+        )
+        if int(probe[0]) == h and int(-probe[1]) == h:
+            return
+        # Every rank saw the same MAX/MIN, so every rank takes this path: exchange the details.
+        rt.mismatches += 1
+        rt.mark_raised()
+        k = rt.mismatches
+        mine = {"seq": str(self.seq), **{key: str(v) for key, v in sig.items()}}
+        rt.control.publish_signature(k, rt.rank, mine)
+        table = rt.control.read_signatures(
+            k, list(range(rt.world_size)), timedelta(seconds=min(self.attempt_s, 5.0))
+        )
+        rows = {r: {key: str(v) for key, v in s.items()} for r, s in table.items()}
+        missing = [r for r in range(rt.world_size) if r not in rows]
+        # Each row as the order of its first appearance: a tie goes to the row seen first.
+        first_seen: dict[str, int] = {}
+        labels = {
+            r: first_seen.setdefault(repr(sorted(s.items())), len(first_seen))
+            for r, s in rows.items()
+        }
+        odd = (majority(labels)[1] if labels else []) + missing
+        raise CollectiveMismatchError(
+            f"Ranks issued different collectives at {self.name}#{self.seq} (rank {rt.rank}); "
+            f"differing rank(s): {odd}\n" + format_table(rows, missing),
+            table=rows,
+            ranks=odd,
+            op=self.name,
+            seq=self.seq,
+        )
 
     def _redo_as_group(
         self, attempt: int, inplace: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]
@@ -239,6 +397,7 @@ class _Op:
                 t.copy_(s)
         self.group = None  # the rebuilt default group
 
+    # -- waiting -----------------------------------------------------------------------------
     def wait(self, work: Any, *, cuda: bool = False) -> None:
         """Wait for backend ``work`` within the attempt timeout and the budget.
 
@@ -256,10 +415,7 @@ class _Op:
         if not cuda:
             self._wait_sliced(work)
             return
-        p = PendingOp(self.name, self.seq)
-        self.rt.register(p)
-        p.attach(work)
-        self.wait_pending(p, work)
+        self.wait_pending(self.track(work.get_future()), work)
         work.wait()  # the op completed: this only orders the streams
 
     def wait_p2p(self, work: Any, peer: int, *, cuda: bool = False) -> None:
@@ -289,8 +445,7 @@ class _Op:
         except RuntimeError as e:
             error = e
         finally:
-            if not work.is_completed():
-                rt.stuck.append(work)  # never destructed while pending (see _wait_sliced)
+            self.keep_stuck(work)
         self._raise_watchdog_verdict(error)
         try:
             state = rt.control.read_states([peer]).get(peer, {})
@@ -334,11 +489,7 @@ class _Op:
                     continue  # spurious wake-up
                 slice_end = self._attempt_timed_out()
         finally:
-            rt.unregister(p)
-            if not p.done or p.backend_error is not None:
-                # Never let a failed gloo work be destructed by the garbage collector: its
-                # destructor can block on a stopped peer or throw (SIGABRT) on a dead one.
-                rt.stuck.append(work)
+            self.forget(p, work)
 
     def _wait_sliced(self, work: Any) -> None:
         rt = self.rt
@@ -366,10 +517,7 @@ class _Op:
                         self._explain_backend_error(error)
                 slice_end = self._attempt_timed_out()
         finally:
-            if not work.is_completed():
-                # Never let a pending gloo work be destructed: its destructor blocks on a
-                # stopped peer until the backend timeout.
-                rt.stuck.append(work)
+            self.keep_stuck(work)
 
     def _attempt_timed_out(self) -> float:
         """One attempt's timeout passed: diagnose the late ranks.
@@ -391,7 +539,7 @@ class _Op:
             return time.monotonic() + self.attempt_s
         if not culprits and self.may_retry:
             raise _TransientError(f"{self.name}#{self.seq}: every rank arrived, no progress")
-        return self._timed_out(culprits)  # raises
+        return self.raise_timeout(culprits)
 
     def _keep_waiting(self, culprits: list[dict[str, Any]]) -> bool:
         """Whether to wait on the same handle for another attempt timeout: the late ranks
@@ -469,7 +617,15 @@ class _Op:
             cls_name="failure",
         )
 
-    def _timed_out(self, culprits: list[dict[str, Any]]) -> NoReturn:
+    def raise_timeout(self, culprits: list[dict[str, Any]]) -> NoReturn:
+        """Raise this op's timeout, naming ``culprits`` (late ranks, from a diagnosis), after
+        posting it for the other ranks.
+
+        Raises:
+            RankFailureError: A peer's verdict, when nothing was found here and the
+                watchdog learns one within its grace.
+            CollectiveTimeoutError: Otherwise; names ``culprits`` (if any).
+        """
         if not culprits and self.rt.watchdog is not None:
             # Nothing found here, but a peer that timed out first may have named the culprit,
             # which then raised and left as told (a consequence, not named by a diagnosis
@@ -531,7 +687,7 @@ def _completed_with(work: Any) -> BaseException | None:
     return None
 
 
-def _as_final(op: _Op, cause: BaseException) -> RankFailureError:
+def _as_final(op: Op, cause: BaseException) -> RankFailureError:
     """The public error for an attempt that failed with ``cause`` (never a private one)."""
     if isinstance(cause, RankFailureError):
         return cause
@@ -543,71 +699,51 @@ def _as_final(op: _Op, cause: BaseException) -> RankFailureError:
     )
 
 
-# -- validation ------------------------------------------------------------------------------
+# -- validation helpers (also used by gather and checkpoint; not in __all__) -------------------
 def _fingerprint(seq: int, sig: dict[str, Any]) -> int:
     text = f"{seq}|" + "|".join(f"{k}={sig[k]}" for k in sorted(sig))
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2  # 62 bits: -h never overflows
 
 
-def _validate(op: _Op, sig: dict[str, Any]) -> None:
-    rt = op.rt
-    h = _fingerprint(op.seq, sig)
-    probe = torch.tensor([h, -h], dtype=torch.int64, device=comm_device(op.group))
-    op.wait(
-        dist.all_reduce(probe, dist.ReduceOp.MAX, group=op.group, async_op=True),
-        cuda=probe.is_cuda,
-    )
-    if int(probe[0]) == h and int(-probe[1]) == h:
-        return
-    # Every rank saw the same MAX/MIN, so every rank takes this path: exchange the details.
-    rt.mismatches += 1
-    rt.mark_raised()
-    k = rt.mismatches
-    mine = {"seq": str(op.seq), **{key: str(v) for key, v in sig.items()}}
-    rt.control.publish_signature(k, rt.rank, mine)
-    table = rt.control.read_signatures(
-        k, list(range(rt.world_size)), timedelta(seconds=min(op.attempt_s, 5.0))
-    )
-    rows = {r: {key: str(v) for key, v in s.items()} for r, s in table.items()}
-    missing = [r for r in range(rt.world_size) if r not in rows]
-    counts: dict[str, int] = {}
-    for s in rows.values():
-        key = repr(sorted(s.items()))
-        counts[key] = counts.get(key, 0) + 1
-    majority = max(counts, key=lambda key: counts[key]) if counts else ""
-    odd = sorted(r for r, s in rows.items() if repr(sorted(s.items())) != majority) + missing
-    raise CollectiveMismatchError(
-        f"Ranks issued different collectives at {op.name}#{op.seq} (rank {rt.rank}); "
-        f"differing rank(s): {odd}\n" + _format_table(rows, missing),
-        table=rows,
-        ranks=odd,
-        op=op.name,
-        seq=op.seq,
-    )
-
-
-def _format_table(rows: dict[int, dict[str, str]], missing: Sequence[int]) -> str:
-    """Every column any rank has, ``seq`` and ``op`` first."""
+def format_table(rows: dict[int, dict[str, str]], missing: Sequence[int]) -> str:
+    """A per-rank table of signatures: every column any rank has, ``seq`` and ``op``
+    first, and a line for each rank in ``missing``."""
     cols = sorted({k for s in rows.values() for k in s}, key=lambda c: (c != "seq", c != "op", c))
     return format_rank_table(rows, cols, missing)
 
 
-def _minority(values: Sequence[int], ignore: int | None = None) -> tuple[int, list[int]]:
-    """The most common value (ties: the smallest) and the ranks whose value differs from it.
+def majority(
+    values: Mapping[int, _Vote] | Sequence[_Vote], ignore: _Vote | None = None
+) -> tuple[_Vote, list[int]]:
+    """The majority vote of the ranks: the most common value and the odd ranks out.
 
-    A rank holding ``ignore`` agrees with every value. Every rank that sees the same values
-    names the same minority.
+    Args:
+        values: Each rank's value, by rank (a mapping of rank to value, or a sequence
+            indexed by rank); ranks absent from a mapping do not vote.
+        ignore: A rank holding this value agrees with every value (it neither votes nor is
+            odd).
+
+    Returns:
+        ``(majority_value, odd_ranks)``: the most common value (ties: the smallest) and the
+        sorted ranks whose value differs from it. Every rank that sees the same values
+        names the same majority and the same odd ranks.
+
+    Raises:
+        ValueError: No rank voted.
     """
-    counts: dict[int, int] = {}
-    for v in values:
+    by_rank = list(values.items() if isinstance(values, Mapping) else enumerate(values))
+    counts: dict[_Vote, int] = {}
+    for _, v in by_rank:
         if v != ignore:
             counts[v] = counts.get(v, 0) + 1
     common = max(sorted(counts), key=lambda v: counts[v])
-    return common, [r for r, v in enumerate(values) if v not in (common, ignore)]
+    return common, sorted(r for r, v in by_rank if v not in (common, ignore))
 
 
-def _sig(op: str, t: torch.Tensor | None = None, **extra: Any) -> dict[str, Any]:
+def op_signature(op: str, t: torch.Tensor | None = None, **extra: Any) -> dict[str, Any]:
+    """What :meth:`Op.run` validates: the op's name, ``t``'s shape, dtype and device type
+    (if given), and ``extra``."""
     sig: dict[str, Any] = {"op": op}
     if t is not None:
         sig.update(shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
@@ -616,7 +752,7 @@ def _sig(op: str, t: torch.Tensor | None = None, **extra: Any) -> dict[str, Any]
     return sig
 
 
-# -- the collectives -------------------------------------------------------------------------
+# -- the collectives ---------------------------------------------------------------------------
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -655,14 +791,16 @@ def all_reduce(
         CollectiveMismatchError: With validation, ranks issued different collectives.
         RetryBudgetExhaustedError: Every allowed attempt failed.
     """
-    o = _Op("all_reduce", group, timeout, budget, retry, validate)
+    o = Op(
+        "all_reduce", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate
+    )
 
     def body() -> torch.Tensor:
         o.wait(dist.all_reduce(tensor, op, group=o.group, async_op=True), cuda=tensor.is_cuda)
         return tensor
 
     return o.run(
-        body, signature=lambda: _sig("all_reduce", tensor, reduce=str(op)), inplace=[tensor]
+        body, signature=lambda: op_signature("all_reduce", tensor, reduce=str(op)), inplace=[tensor]
     )
 
 
@@ -680,13 +818,15 @@ def broadcast(
 
     Args and Raises: as :func:`all_reduce`; ``src`` is the global rank that sends.
     """
-    o = _Op("broadcast", group, timeout, budget, retry, validate)
+    o = Op("broadcast", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate)
 
     def body() -> torch.Tensor:
         o.wait(dist.broadcast(tensor, src, group=o.group, async_op=True), cuda=tensor.is_cuda)
         return tensor
 
-    return o.run(body, signature=lambda: _sig("broadcast", tensor, src=src), inplace=[tensor])
+    return o.run(
+        body, signature=lambda: op_signature("broadcast", tensor, src=src), inplace=[tensor]
+    )
 
 
 def barrier(
@@ -702,13 +842,13 @@ def barrier(
     Args and Raises: as :func:`all_reduce`. Unlike torch's gloo ``monitored_barrier``, every
     rank (not only rank 0) learns which ranks never arrived.
     """
-    o = _Op("barrier", group, timeout, budget, retry, validate)
+    o = Op("barrier", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate)
 
     def body() -> None:
         t = torch.zeros(1, device=comm_device(o.group))
         o.wait(dist.all_reduce(t, group=o.group, async_op=True), cuda=t.is_cuda)
 
-    o.run(body, signature=lambda: _sig("barrier"))
+    o.run(body, signature=lambda: op_signature("barrier"))
 
 
 def all_gather(
@@ -733,14 +873,16 @@ def all_gather(
         CollectiveMismatchError: Ranks passed different dtypes (checked always).
         Others: as :func:`all_reduce`.
     """
-    o = _Op("all_gather", group, timeout, budget, retry, validate)
+    o = Op(
+        "all_gather", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate
+    )
     return o.run(
         lambda: _gather_uneven(o, tensor),
-        signature=lambda: _sig("all_gather", tensor.flatten()[:0]),
+        signature=lambda: op_signature("all_gather", tensor.flatten()[:0]),
     )
 
 
-def _gather_uneven(o: _Op, tensor: torch.Tensor) -> list[torch.Tensor]:
+def _gather_uneven(o: Op, tensor: torch.Tensor) -> list[torch.Tensor]:
     if tensor.dim() > _MAX_NDIM:
         raise ConfigError(f"all_gather supports up to {_MAX_NDIM} dimensions, got {tensor.dim()}")
     world = dist.get_world_size(o.group)
@@ -754,12 +896,12 @@ def _gather_uneven(o: _Op, tensor: torch.Tensor) -> list[torch.Tensor]:
     o.wait(dist.all_gather(metas, meta, group=o.group, async_op=True), cuda=meta.is_cuda)
     rows = [m.tolist() for m in metas]
     if any(r[0] != rows[0][0] for r in rows):
-        majority, odd = _minority([r[0] for r in rows])
+        common, odd = majority([r[0] for r in rows])
         raise CollectiveMismatchError(
             f"all_gather#{o.seq}: ranks passed tensors of different dtypes; rank(s) {odd} "
             f"differ from the others (this rank, {o.rt.rank}, has {tensor.dtype})",
             table={
-                i: {"dtype": "same as majority" if r[0] == majority else "different"}
+                i: {"dtype": "same as majority" if r[0] == common else "different"}
                 for i, r in enumerate(rows)
             },
             ranks=odd,
@@ -795,14 +937,21 @@ def all_gather_object(
 
     Raises: as :func:`all_reduce`.
     """
-    o = _Op("all_gather_object", group, timeout, budget, retry, validate)
+    o = Op(
+        "all_gather_object",
+        group=group,
+        timeout=timeout,
+        budget=budget,
+        retry=retry,
+        validate=validate,
+    )
     payload = dumps(obj)
 
     def body() -> list[Any]:
         parts = _gather_uneven(o, payload)
         return [loads(p) for p in parts]
 
-    return o.run(body, signature=lambda: _sig("all_gather_object"))
+    return o.run(body, signature=lambda: op_signature("all_gather_object"))
 
 
 def broadcast_object(
@@ -826,7 +975,14 @@ def broadcast_object(
 
     Raises: as :func:`all_reduce`.
     """
-    o = _Op("broadcast_object", group, timeout, budget, retry, validate)
+    o = Op(
+        "broadcast_object",
+        group=group,
+        timeout=timeout,
+        budget=budget,
+        retry=retry,
+        validate=validate,
+    )
     device = comm_device(group)
     is_src = dist.get_rank() == src
     payload = dumps(obj).to(device) if is_src else None
@@ -842,4 +998,4 @@ def broadcast_object(
         o.wait(dist.broadcast(buf, src, group=o.group, async_op=True), cuda=buf.is_cuda)
         return obj if is_src else loads(buf)
 
-    return o.run(body, signature=lambda: _sig("broadcast_object", src=src))
+    return o.run(body, signature=lambda: op_signature("broadcast_object", src=src))

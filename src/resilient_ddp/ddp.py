@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from . import _runtime, elastic
 from ._backend import nccl_version
 from ._runtime import PendingOp, Runtime
-from .collectives import _Op, all_gather_object, all_reduce, broadcast
+from .collectives import Op, all_gather_object, all_reduce, broadcast
 from .config import ResilienceConfig, resolve
 from .errors import (
     ConfigError,
@@ -132,6 +132,7 @@ class ResilientDDP(DistributedDataParallel):
         RankFailureError: A rank failed during construction.
     """
 
+    # -- construction ------------------------------------------------------------------------
     def __init__(
         self,
         module: nn.Module,
@@ -175,7 +176,7 @@ class ResilientDDP(DistributedDataParallel):
         self._rd_buckets: list[tuple[torch.futures.Future[torch.Tensor], list[Any], Any]] = []
         self._rd_inner_hook: Callable[..., Any] | None = None
         self._rd_inner_state: Any = None
-        self._rd_pass: list[tuple[_Op, PendingOp, Any]] = []
+        self._rd_pass: list[tuple[Op, PendingOp, Any]] = []
         self._rd_pass_error: BaseException | None = None
         self._rd_callback_queued = False
         self._rd_compute_start = 0.0
@@ -207,6 +208,12 @@ class ResilientDDP(DistributedDataParallel):
         except Exception:  # noqa: BLE001 - a half-built model has nothing to release
             pass
 
+    @property
+    def _rd_group(self) -> dist.ProcessGroup | None:
+        """The group for our collectives: ``None`` for the default (world) group, which
+        a group retry may rebuild."""
+        return self.process_group if self.process_group is not dist.group.WORLD else None
+
     # -- copies (pickle, torch.save, copy.deepcopy) ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """The picklable state: DDP's (without process group, reducer and logger), less
@@ -232,7 +239,134 @@ class ResilientDDP(DistributedDataParallel):
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._rd_init_local_state()
 
-    # -- comm hooks --------------------------------------------------------------------------
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        rt = _runtime.current()
+        if rt is not None and rt.elastic is not None and not rt.local_forward:
+            return self._rd_elastic_forward(rt, inputs, kwargs)
+        if rt is not None:
+            # A known failure makes the step fail now, not in its first collective.
+            rt.raise_if_failed("forward", rt.seq + 1)
+            if rt.local_forward:
+                # distributed_inference: ranks run different numbers of forwards, so DDP's
+                # per-forward buffer broadcast would pair up unrelated calls.
+                return self._rd_local_forward(inputs, kwargs)
+            rt.phase = "forward"
+            self._rd_publish_step(rt)
+            self._rd_sync_buckets()
+            self._rd_compute_start = time.monotonic()
+        output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+        return self._rd_watch_backward(output)
+
+    def _rd_local_forward(self, inputs: Any, kwargs: Any) -> Any:
+        """The wrapped module's forward without DDP's synchronisation (no reducer hooks);
+        inputs still move to the device as DDP would move them."""
+        if self.device_ids:
+            moved, moved_kwargs = self.to_kwargs(  # type: ignore[no-untyped-call]
+                inputs, kwargs, self.device_ids[0]
+            )
+            inputs, kwargs = moved[0], moved_kwargs[0]
+        return self.module(*inputs, **kwargs)
+
+    def _rd_sync_buckets(self) -> None:
+        """Run the reducer's one-time bucket rebuild as a bounded op, when it is due.
+
+        After the first synchronised backward of a reducer, DDP's next forward rebuilds the
+        gradient buckets in the order gradients became ready and agrees on the layout with
+        two blocking broadcasts from rank 0, bounded only by the backend's timeout: a peer
+        that dies there surfaces as gloo's bare ``RuntimeError``, one that stops hangs the
+        step. Here the rebuild runs in a helper thread (the call releases the GIL) and is
+        waited for like any other op; DDP's own call that follows finds nothing to do.
+
+        Raises:
+            RankFailureError: A peer failed meanwhile.
+            CollectiveTimeoutError: The exchange did not complete within the op budget.
+        """
+        if not self._rd_bucket_sync_due or not torch.is_grad_enabled():
+            return
+        self._rd_bucket_sync_due = False
+        cfg = self._rd_config
+        op = Op(
+            "ddp_bucket_layout",
+            group=self._rd_group,
+            timeout=cfg.op_timeout,
+            budget=cfg.effective_op_budget,
+            retry=1,
+            validate=False,
+        )
+        reducer = self.reducer
+        done: torch.futures.Future[bool] = torch.futures.Future()
+
+        def rebuild() -> None:
+            try:
+                done.set_result(reducer._rebuild_buckets())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(e)  # type: ignore[arg-type]  # stubs: the value type
+
+        def body() -> None:
+            p = op.track(done)
+            worker = threading.Thread(target=rebuild, name="resilient_ddp-buckets", daemon=True)
+            self._rd_bucket_thread = worker
+            worker.start()
+            try:
+                op.wait_pending(p, done)
+            except BaseException:
+                if worker.is_alive():
+                    # Left behind inside the backend until its own timeout: the process
+                    # must not run the backend's destructors at exit.
+                    _runtime.arm_exit_guard()
+                raise
+
+        op.run(body, signature=dict)
+        if done.value():
+            self._has_rebuilt_buckets = True
+
+    def _default_broadcast_coalesced(
+        self,
+        bufs: list[torch.Tensor] | None = None,
+        bucket_size: int | None = None,
+        authoritative_rank: int = 0,
+    ) -> None:
+        """DDP's buffer broadcast, through the bounded :func:`broadcast` (one op per dtype)."""
+        tensors = list(self.modules_buffers) if bufs is None else list(bufs)
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        group = self._rd_group
+        for same in by_dtype.values():
+            flat = _flatten(same)
+            broadcast(
+                flat,
+                src=authoritative_rank,
+                group=group,
+                timeout=self._rd_config.op_timeout,
+                budget=self._rd_config.effective_op_budget,
+                validate=False,
+            )
+            for t, synced in zip(same, _unflatten(flat, same), strict=True):
+                t.copy_(synced)
+        # Waiting for the others in this broadcast is not this rank's compute: start the
+        # straggler clock after it (under DDP a slow rank makes everyone wait here).
+        self._rd_compute_start = time.monotonic()
+
+    # -- backward: the comm hook (see _resilient_hook) and the wait at its end ---------------
+    def _rd_watch_backward(self, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._rd_callback_queued = False
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._rd_on_backward_start)  # type: ignore[no-untyped-call]
+        return output
+
+    def _rd_on_backward_start(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._rd_callback_queued:
+            self._rd_callback_queued = True
+            rt = _runtime.current()
+            if rt is not None:
+                rt.phase = "backward"
+            torch.autograd.Variable._execution_engine.queue_callback(self._rd_finish_backward)
+        return grad
+
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Register a DDP communication hook; it composes with the library's own.
 
@@ -259,112 +393,55 @@ class ResilientDDP(DistributedDataParallel):
             "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)."
         )
 
-    # -- forward -----------------------------------------------------------------------------
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def _rd_finish_backward(self) -> None:
+        """Autograd final callback, queued ahead of DDP's: wait (bounded) for every bucket
+        reduced in this backward pass and raise our typed error if one failed."""
+        ops, self._rd_pass = self._rd_pass, []
+        error, self._rd_pass_error = self._rd_pass_error, None
         rt = _runtime.current()
-        if rt is not None and rt.elastic is not None and not rt.local_forward:
-            return self._rd_elastic_forward(rt, inputs, kwargs)
         if rt is not None:
-            # A known failure makes the step fail now, not in its first collective.
-            rt.raise_if_failed("forward", rt.seq + 1)
-            if rt.local_forward:
-                # distributed_inference: ranks run different numbers of forwards, so DDP's
-                # per-forward buffer broadcast would pair up unrelated calls.
-                return self._rd_local_forward(inputs, kwargs)
-            rt.phase = "forward"
-            self._rd_publish_step(rt)
-            self._rd_sync_buckets()
-            self._rd_compute_start = time.monotonic()
-        output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
-        return self._rd_watch_backward(output)
-
-    def _rd_sync_buckets(self) -> None:
-        """Run the reducer's one-time bucket rebuild as a bounded op, when it is due.
-
-        After the first synchronised backward of a reducer, DDP's next forward rebuilds the
-        gradient buckets in the order gradients became ready and agrees on the layout with
-        two blocking broadcasts from rank 0, bounded only by the backend's timeout: a peer
-        that dies there surfaces as gloo's bare ``RuntimeError``, one that stops hangs the
-        step. Here the rebuild runs in a helper thread (the call releases the GIL) and is
-        waited for like any other op; DDP's own call that follows finds nothing to do.
-
-        Raises:
-            RankFailureError: A peer failed meanwhile.
-            CollectiveTimeoutError: The exchange did not complete within the op budget.
-        """
-        if not self._rd_bucket_sync_due or not torch.is_grad_enabled():
-            return
-        self._rd_bucket_sync_due = False
-        cfg = self._rd_config
-        op = _Op(
-            "ddp_bucket_layout", self._rd_group, cfg.op_timeout, cfg.effective_op_budget, 1, False
-        )
-        reducer = self.reducer
-        done: torch.futures.Future[bool] = torch.futures.Future()
-
-        def rebuild() -> None:
-            try:
-                done.set_result(reducer._rebuild_buckets())
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                done.set_exception(e)  # type: ignore[arg-type]  # stubs: the value type
-
-        def body() -> None:
-            p = PendingOp(op.name, op.seq)
-            op.rt.register(p)
-            p.attach_future(done)
-            worker = threading.Thread(target=rebuild, name="resilient_ddp-buckets", daemon=True)
-            self._rd_bucket_thread = worker
-            worker.start()
-            try:
-                op.wait_pending(p, done)
-            except BaseException:
-                if worker.is_alive():
-                    # Left behind inside the backend until its own timeout: the process
-                    # must not run the backend's destructors at exit.
-                    _runtime.arm_exit_guard()
+            self.compute_times = [
+                *self.compute_times[-19:],
+                time.monotonic() - self._rd_compute_start,
+            ]
+            rt.compute_s = sorted(self.compute_times)[len(self.compute_times) // 2]
+        rest = ops  # not waited for (yet)
+        try:
+            if error is not None:
+                raise error
+            for i, (op, p, keep) in enumerate(ops):
+                rest = ops[i + 1 :]
+                op.wait_pending(p, keep)
+        except RankFailureError as e:
+            rest = _forget_ops(rest)
+            if rt is None or rt.elastic is None or isinstance(e, ControlPlaneError):
                 raise
-
-        op.run(body, signature=dict)
-        if done.value():
-            self._has_rebuilt_buckets = True
-
-    # -- step numbering --------------------------------------------------------------------
-    def _rd_step_count(self, rt: Runtime) -> int:
-        """Steps completed so far: this model's count, or with ``on_failure="shrink"`` the
-        job's committed steps (which survivors and joiners share)."""
-        return int(rt.elastic.committed) if rt.elastic is not None else self._rd_steps
-
-    def _rd_publish_step(self, rt: Runtime) -> None:
-        """Show the current step in the heartbeat; a new one is published ahead of the
-        regular beat, so that a rank dying early in a step is named in that step."""
-        _ended_steps.discard(self)
-        step = self._rd_step_count(rt)
-        if rt.step == step:
-            return
-        rt.step = step
-        now = time.monotonic()
-        gap = rt.config.heartbeat_interval.total_seconds() / _STEP_BEATS_PER_INTERVAL
-        if rt.watchdog is not None and now - self._rd_beat_at >= gap:
-            self._rd_beat_at = now
-            rt.watchdog.poke()
-
-    def _rd_watch_backward(self, output: Any) -> Any:
-        if torch.is_grad_enabled():
-            self._rd_callback_queued = False
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._rd_on_backward_start)  # type: ignore[no-untyped-call]
-        return output
-
-    def _rd_local_forward(self, inputs: Any, kwargs: Any) -> Any:
-        """The wrapped module's forward without DDP's synchronisation (no reducer hooks);
-        inputs still move to the device as DDP would move them."""
-        if self.device_ids:
-            moved, moved_kwargs = self.to_kwargs(  # type: ignore[no-untyped-call]
-                inputs, kwargs, self.device_ids[0]
-            )
-            inputs, kwargs = moved[0], moved_kwargs[0]
-        return self.module(*inputs, **kwargs)
+            # The pass's bucket ops end together (the runtime has one in-op flag), through
+            # the runtime rather than Op.end: a pass may have no Op (none of its buckets
+            # reduced, or the first one's Op could not begin).
+            rt.end_op()
+            self._rd_recover_in_backward(rt, e)
+        else:
+            if rt is not None and rt.elastic is not None and self._rd_buckets:
+                self._rd_buckets = []
+                rt.elastic.commit(rt.elastic.members)
+        finally:
+            _forget_ops(rest)
+            if rt is not None:
+                rt.end_op()
+                rt.phase = "after_backward"
+        if ops:
+            # The step ends here; its new number is published at the optimizer step that
+            # follows (that step still belongs to this one), or at the next forward pass.
+            self._rd_steps += 1
+            _ended_steps.add(self)
+        if (
+            ops
+            and not self._has_rebuilt_buckets
+            and (self.static_graph or not self.find_unused_parameters)
+        ):
+            # DDP rebuilds its buckets at the next forward (see _rd_sync_buckets).
+            self._rd_bucket_sync_due = True
 
     # -- elastic training (on_failure="shrink") ----------------------------------------------
     def _rd_elastic_forward(self, rt: Runtime, inputs: Any, kwargs: Any) -> Any:
@@ -414,6 +491,43 @@ class ResilientDDP(DistributedDataParallel):
         # A skipped step's backward still runs through the old reducer's hooks.
         self._rd_release_stuck_reducer()
         return dec
+
+    def _rd_recover_in_backward(self, rt: Runtime, cause: RankFailureError) -> None:
+        """A reduction of this backward pass failed with ``on_failure="shrink"``: recover,
+        then settle every bucket's future (redone over the survivors, or discarded)."""
+        el = rt.elastic
+        buckets, self._rd_buckets = self._rd_buckets, []
+        has_grads = not self.gradient_as_bucket_view and self._rd_inner_hook is None
+        while True:
+            dec = self._rd_recover(rt, "reduce", has_grads, cause)
+            if dec["outcome"] != "redo":
+                break
+            try:
+                redone = [self._rd_redo(params) for _, params, _ in buckets]
+            except RankFailureError as e:
+                if isinstance(e, ControlPlaneError):
+                    raise
+                cause = e
+                continue
+            for (fut, _, _), flat in zip(buckets, redone, strict=True):
+                _settle(fut, flat)
+            el.commit(el.members)
+            return
+        # Skipped: DDP copies these zeros into the gradients, and the optimizer step that
+        # follows is turned into a no-op (see _install_optimizer_hooks).
+        for fut, _, like in buckets:
+            _settle(fut, torch.zeros_like(like))
+        el.skip_step = True
+        el.rollback()
+
+    def _rd_redo(self, params: list[Any]) -> torch.Tensor:
+        """This rank's local gradients of one bucket, averaged over the new group."""
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        cfg = self._rd_config
+        all_reduce(flat, timeout=cfg.op_timeout, validate=False)
+        return flat.div_(dist.get_world_size())
 
     def _rd_rebuild_reducer(self) -> None:
         """Rebuild DDP's reducer in place on the current default group: the
@@ -481,43 +595,6 @@ class ResilientDDP(DistributedDataParallel):
             if k in el.extras:
                 el.extras[k].load_state_dict(sd)
 
-    def _rd_recover_in_backward(self, rt: Runtime, cause: RankFailureError) -> None:
-        """A reduction of this backward pass failed with ``on_failure="shrink"``: recover,
-        then settle every bucket's future (redone over the survivors, or discarded)."""
-        el = rt.elastic
-        buckets, self._rd_buckets = self._rd_buckets, []
-        has_grads = not self.gradient_as_bucket_view and self._rd_inner_hook is None
-        while True:
-            dec = self._rd_recover(rt, "reduce", has_grads, cause)
-            if dec["outcome"] != "redo":
-                break
-            try:
-                redone = [self._rd_redo(params) for _, params, _ in buckets]
-            except RankFailureError as e:
-                if isinstance(e, ControlPlaneError):
-                    raise
-                cause = e
-                continue
-            for (fut, _, _), flat in zip(buckets, redone, strict=True):
-                _settle(fut, flat)
-            el.commit(el.members)
-            return
-        # Skipped: DDP copies these zeros into the gradients, and the optimizer step that
-        # follows is turned into a no-op (see _install_optimizer_hooks).
-        for fut, _, like in buckets:
-            _settle(fut, torch.zeros_like(like))
-        el.skip_step = True
-        el.rollback()
-
-    def _rd_redo(self, params: list[Any]) -> torch.Tensor:
-        """This rank's local gradients of one bucket, averaged over the new group."""
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        cfg = self._rd_config
-        all_reduce(flat, timeout=cfg.op_timeout, validate=False)
-        return flat.div_(dist.get_world_size())
-
     def register_elastic_state(self, name: str, obj: Any) -> None:
         """Send ``obj``'s state (``state_dict()`` / ``load_state_dict()``, e.g. an LR
         scheduler or a step counter of yours) with the model to survivors that take the
@@ -535,6 +612,41 @@ class ResilientDDP(DistributedDataParallel):
         received = rt.elastic.received
         if received is not None and name in received.get("extras", {}):
             obj.load_state_dict(received["extras"].pop(name))
+
+    # -- optimizer phases: step numbering (see _install_optimizer_hooks) ---------------------
+    def _rd_step_count(self, rt: Runtime) -> int:
+        """Steps completed so far: this model's count, or with ``on_failure="shrink"`` the
+        job's committed steps (which survivors and joiners share)."""
+        return int(rt.elastic.committed) if rt.elastic is not None else self._rd_steps
+
+    def _rd_publish_step(self, rt: Runtime) -> None:
+        """Show the current step in the heartbeat; a new one is published ahead of the
+        regular beat, so that a rank dying early in a step is named in that step."""
+        _ended_steps.discard(self)
+        step = self._rd_step_count(rt)
+        if rt.step == step:
+            return
+        rt.step = step
+        now = time.monotonic()
+        gap = rt.config.heartbeat_interval.total_seconds() / _STEP_BEATS_PER_INTERVAL
+        if rt.watchdog is not None and now - self._rd_beat_at >= gap:
+            self._rd_beat_at = now
+            rt.watchdog.poke()
+
+    # -- reports -----------------------------------------------------------------------------
+    def straggler_report(self) -> dict[str, Any]:
+        """Every rank's median step compute time (forward + backward, before waiting on the
+        gradient reduction) and the ranks slower than the group median by more than
+        ``straggler_margin``.
+
+        Returns:
+            ``{"median_s": float, "compute_s": {rank: seconds}, "stragglers": [rank, ...]}``.
+            Reads the heartbeats (one store round trip); never raises for a slow rank.
+        """
+        rt = _runtime.current()
+        if rt is None:
+            return {"median_s": 0.0, "compute_s": {}, "stragglers": []}
+        return _runtime.straggler_report(rt, rt.control)
 
     @property
     def resilience_stats(self) -> dict[str, Any]:
@@ -582,211 +694,10 @@ class ResilientDDP(DistributedDataParallel):
         )
         return out
 
-    def _rd_on_backward_start(self, grad: torch.Tensor) -> torch.Tensor:
-        if not self._rd_callback_queued:
-            self._rd_callback_queued = True
-            rt = _runtime.current()
-            if rt is not None:
-                rt.phase = "backward"
-            torch.autograd.Variable._execution_engine.queue_callback(self._rd_finish_backward)
-        return grad
-
-    def _rd_finish_backward(self) -> None:
-        """Autograd final callback, queued ahead of DDP's: wait (bounded) for every bucket
-        reduced in this backward pass and raise our typed error if one failed."""
-        ops, self._rd_pass = self._rd_pass, []
-        error, self._rd_pass_error = self._rd_pass_error, None
-        rt = _runtime.current()
-        if rt is not None:
-            self.compute_times = [
-                *self.compute_times[-19:],
-                time.monotonic() - self._rd_compute_start,
-            ]
-            rt.compute_s = sorted(self.compute_times)[len(self.compute_times) // 2]
-        rest = ops  # not waited for (yet)
-        try:
-            if error is not None:
-                raise error
-            for i, (op, p, keep) in enumerate(ops):
-                rest = ops[i + 1 :]
-                op.wait_pending(p, keep)
-        except RankFailureError as e:
-            rest = _forget_ops(rest)
-            if rt is None or rt.elastic is None or isinstance(e, ControlPlaneError):
-                raise
-            rt.end_op()
-            self._rd_recover_in_backward(rt, e)
-        else:
-            if rt is not None and rt.elastic is not None and self._rd_buckets:
-                self._rd_buckets = []
-                rt.elastic.commit(rt.elastic.members)
-        finally:
-            _forget_ops(rest)
-            if rt is not None:
-                rt.end_op()
-                rt.phase = "after_backward"
-        if ops:
-            # The step ends here; its new number is published at the optimizer step that
-            # follows (that step still belongs to this one), or at the next forward pass.
-            self._rd_steps += 1
-            _ended_steps.add(self)
-        if (
-            ops
-            and not self._has_rebuilt_buckets
-            and (self.static_graph or not self.find_unused_parameters)
-        ):
-            # DDP rebuilds its buckets at the next forward (see _rd_sync_buckets).
-            self._rd_bucket_sync_due = True
-
-    # -- buffers -----------------------------------------------------------------------------
-    def _default_broadcast_coalesced(
-        self,
-        bufs: list[torch.Tensor] | None = None,
-        bucket_size: int | None = None,
-        authoritative_rank: int = 0,
-    ) -> None:
-        """DDP's buffer broadcast, through the bounded :func:`broadcast` (one op per dtype)."""
-        tensors = list(self.modules_buffers) if bufs is None else list(bufs)
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        group = self._rd_group
-        for same in by_dtype.values():
-            flat = _flatten(same)
-            broadcast(
-                flat,
-                src=authoritative_rank,
-                group=group,
-                timeout=self._rd_config.op_timeout,
-                budget=self._rd_config.effective_op_budget,
-                validate=False,
-            )
-            for t, synced in zip(same, _unflatten(flat, same), strict=True):
-                t.copy_(synced)
-        # Waiting for the others in this broadcast is not this rank's compute: start the
-        # straggler clock after it (under DDP a slow rank makes everyone wait here).
-        self._rd_compute_start = time.monotonic()
-
-    @property
-    def _rd_group(self) -> dist.ProcessGroup | None:
-        """The group for our collectives: ``None`` for the default (world) group, which
-        a group retry may rebuild."""
-        return self.process_group if self.process_group is not dist.group.WORLD else None
-
-    def straggler_report(self) -> dict[str, Any]:
-        """Every rank's median step compute time (forward + backward, before waiting on the
-        gradient reduction) and the ranks slower than the group median by more than
-        ``straggler_margin``.
-
-        Returns:
-            ``{"median_s": float, "compute_s": {rank: seconds}, "stragglers": [rank, ...]}``.
-            Reads the heartbeats (one store round trip); never raises for a slow rank.
-        """
-        rt = _runtime.current()
-        if rt is None:
-            return {"median_s": 0.0, "compute_s": {}, "stragglers": []}
-        return _runtime.straggler_report(rt, rt.control)
-
     @property
     def resilience(self) -> ResilienceConfig:
         """The config this model runs under."""
         return self._rd_config
-
-
-def _resilient_hook(
-    state: weakref.ReferenceType[ResilientDDP], bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """The comm hook DDP calls for each ready bucket: issue the reduction (through the
-    user's hook if any) behind a library-owned future."""
-    ddp = state()
-    assert ddp is not None
-    tensor = bucket.buffer()
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[tensor.device] if tensor.device.type == "cuda" else None
-    )
-    rt0 = _runtime.current()
-    elastic_mode = rt0 is not None and rt0.elastic is not None
-    if elastic_mode:
-        # Kept to settle the future after a recovery: the bucket's parameters (whose .grad
-        # still holds this rank's local gradients) and a tensor of its size.
-        ddp._rd_buckets.append((result, bucket.parameters(), tensor))
-    try:
-        group = ddp._rd_group
-        cfg = ddp._rd_config
-        op = _Op(
-            f"ddp_bucket{bucket.index()}",
-            group,
-            cfg.op_timeout,
-            cfg.effective_op_budget,
-            1,
-            False,
-        )
-    except ResilientDDPError as e:
-        ddp._rd_pass_error = e
-        if not elastic_mode:
-            result.set_exception(e)  # type: ignore[arg-type]  # stubs: Tensor; any exception works
-        return result
-    rt = op.rt
-    if ddp._rd_inner_hook is None:
-        # Average as DDP's reducer does without a hook: scale by 1/world, then sum.
-        tensor.mul_(1.0 / dist.get_world_size(group))
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-        inner = work.get_future()
-        keep: Any = work
-
-        def pick(v: Any) -> Any:
-            return v[0]
-    else:
-        inner = ddp._rd_inner_hook(ddp._rd_inner_state, bucket)
-        keep = inner
-
-        def pick(v: Any) -> Any:
-            return v
-
-    p = PendingOp(op.name, op.seq, future=result, result_fn=pick)
-    p.hold = elastic_mode
-    rt.register(p)
-    p.attach_future(inner)
-    if ddp._rd_callback_queued:
-        ddp._rd_pass.append((op, p, keep))
-    else:
-        # No backward pass of ours to wait in: a joined rank shadowing the others'
-        # reductions (DDP's join), which waits on the future itself. The watchdog still
-        # fails it when a peer fails.
-        inner.add_done_callback(lambda _: _settle_shadow(rt, p))
-    return result
-
-
-def _forget_ops(ops: list[tuple[_Op, PendingOp, Any]]) -> list[Any]:
-    """Unregister the ops of a backward pass that failed before they were waited for.
-
-    Otherwise each failed pass left its later buckets' ops registered for good (one per
-    kill-and-rejoin cycle in the generation-leak test), each holding its bucket's future
-    and the value it was settled with. Their works are kept as a failed wait keeps its own
-    (``Runtime.stuck``): released with their group once it is retired.
-
-    Returns:
-        An empty list (nothing left to forget).
-    """
-    for op, p, keep in ops:
-        op.rt.unregister(p)
-        if not p.done or p.backend_error is not None:
-            op.rt.stuck.append(keep)
-    return []
-
-
-def _settle_shadow(rt: Runtime, p: PendingOp) -> None:
-    rt.unregister(p)
-    rt.end_op()
-
-
-# DDP checks a hook's annotations with inspect; under `from __future__ import annotations`
-# they are strings, so give it the objects.
-_resilient_hook.__annotations__ = {
-    "state": object,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
 
 
 # -- construction-time agreement ---------------------------------------------------------------
@@ -885,6 +796,7 @@ def _format_rows(table: dict[int, dict[str, str]]) -> str:
     return format_rank_table(table, cols)
 
 
+# -- forward: the buffer broadcast -------------------------------------------------------------
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
@@ -895,6 +807,108 @@ def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tenso
         out.append(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
     return out
+
+
+# -- backward: the comm hook -------------------------------------------------------------------
+def _resilient_hook(
+    state: weakref.ReferenceType[ResilientDDP], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook DDP calls for each ready bucket: issue the reduction (through the
+    user's hook if any) behind a library-owned future."""
+    ddp = state()
+    assert ddp is not None
+    tensor = bucket.buffer()
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[tensor.device] if tensor.device.type == "cuda" else None
+    )
+    rt0 = _runtime.current()
+    elastic_mode = rt0 is not None and rt0.elastic is not None
+    if elastic_mode:
+        # Kept to settle the future after a recovery: the bucket's parameters (whose .grad
+        # still holds this rank's local gradients) and a tensor of its size.
+        ddp._rd_buckets.append((result, bucket.parameters(), tensor))
+    try:
+        group = ddp._rd_group
+        cfg = ddp._rd_config
+        op = Op(
+            f"ddp_bucket{bucket.index()}",
+            group=group,
+            timeout=cfg.op_timeout,
+            budget=cfg.effective_op_budget,
+            retry=1,
+            validate=False,
+        )
+    except ResilientDDPError as e:
+        ddp._rd_pass_error = e
+        if not elastic_mode:
+            result.set_exception(e)  # type: ignore[arg-type]  # stubs: Tensor; any exception works
+        return result
+    if ddp._rd_inner_hook is None:
+        # Average as DDP's reducer does without a hook: scale by 1/world, then sum.
+        tensor.mul_(1.0 / dist.get_world_size(group))
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        inner = work.get_future()
+        keep: Any = work
+
+        def pick(v: Any) -> Any:
+            return v[0]
+    else:
+        inner = ddp._rd_inner_hook(ddp._rd_inner_state, bucket)
+        keep = inner
+
+        def pick(v: Any) -> Any:
+            return v
+
+    p = op.track(inner, future=result, result_fn=pick, hold=elastic_mode)
+    if ddp._rd_callback_queued:
+        ddp._rd_pass.append((op, p, keep))
+    else:
+        # No backward pass of ours to wait in: a joined rank shadowing the others'
+        # reductions (DDP's join), which waits on the future itself. The watchdog still
+        # fails it when a peer fails.
+        inner.add_done_callback(lambda _: _settle_shadow(op, p))
+    return result
+
+
+# DDP checks a hook's annotations with inspect; under `from __future__ import annotations`
+# they are strings, so give it the objects.
+_resilient_hook.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _forget_ops(ops: list[tuple[Op, PendingOp, Any]]) -> list[Any]:
+    """Unregister the ops of a backward pass that failed before they were waited for.
+
+    Otherwise each failed pass left its later buckets' ops registered for good (one per
+    kill-and-rejoin cycle in the generation-leak test), each holding its bucket's future
+    and the value it was settled with. Their works are kept as a failed wait keeps its own
+    (``Runtime.stuck``): released with their group once it is retired.
+
+    Returns:
+        An empty list (nothing left to forget).
+    """
+    for op, p, keep in ops:
+        op.forget(p, keep)
+    return []
+
+
+def _settle_shadow(op: Op, p: PendingOp) -> None:
+    """A joined rank's shadow reduction completed: let its pending op go and end the op
+    (its work completed; the watchdog no longer needs to fail it)."""
+    op.untrack(p)
+    op.end()
+
+
+# -- elastic training --------------------------------------------------------------------------
+def _settle(fut: torch.futures.Future[torch.Tensor], value: torch.Tensor) -> None:
+    """Complete a bucket's future with ``value`` (or overwrite the value it completed with)."""
+    if fut.done():
+        fut.value().copy_(value)
+    else:
+        fut.set_result(value)
 
 
 # -- phases from the optimizer -----------------------------------------------------------------
@@ -944,11 +958,3 @@ def _elastic_pre_step(el: Any, opt: Any) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
-
-
-def _settle(fut: torch.futures.Future[torch.Tensor], value: torch.Tensor) -> None:
-    """Complete a bucket's future with ``value`` (or overwrite the value it completed with)."""
-    if fut.done():
-        fut.value().copy_(value)
-    else:
-        fut.set_result(value)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ._backend import comm_device
 from ._wire import CompactPickler, buffer_of, dumps, loads, to_cpu
-from .collectives import Duration, _format_table, _minority, _Op, _sig
+from .collectives import Duration, Op, format_table, majority, op_signature
 from .errors import CollectiveMismatchError, ConfigError
 
 __all__ = ["gather_to_rank0"]
@@ -113,16 +113,18 @@ def gather_to_rank0(
         raise ConfigError(f"chunk_bytes should be positive, got {chunk_bytes}")
     # The gather is always validated: a rank that issued another op is then named (and the
     # fingerprint's single all-reduce is nothing next to the data).
-    o = _Op("gather_to_rank0", None, timeout, None, 1, True)
+    o = Op("gather_to_rank0", timeout=timeout, retry=1, validate=True)
     kind = _kind(entries)
     return o.run(
         lambda: _gather(o, entries, idx, kind, num_items, chunk_bytes),
-        signature=lambda: _sig("gather_to_rank0", indices=idx is not None, num_items=num_items),
+        signature=lambda: op_signature(
+            "gather_to_rank0", indices=idx is not None, num_items=num_items
+        ),
     )
 
 
 def _gather(
-    o: _Op,
+    o: Op,
     entries: list[Any],
     idx: torch.Tensor | None,
     kind: int,
@@ -154,7 +156,7 @@ def _gather(
     return result
 
 
-def _check_headers(o: _Op, rows: list[list[int]]) -> None:
+def _check_headers(o: Op, rows: list[list[int]]) -> None:
     kinds = {r[1] for r in rows if r[1] != _KIND_NONE}
     flags = {r[2] for r in rows}
     if len(kinds) <= 1 and len(flags) == 1:
@@ -164,8 +166,8 @@ def _check_headers(o: _Op, rows: list[list[int]]) -> None:
         for i, r in enumerate(rows)
     }
 
-    odd_kind = _minority([r[1] for r in rows], ignore=_KIND_NONE)[1] if len(kinds) > 1 else []
-    odd_flag = _minority([r[2] for r in rows])[1] if len(flags) > 1 else []
+    odd_kind = majority([r[1] for r in rows], ignore=_KIND_NONE)[1] if len(kinds) > 1 else []
+    odd_flag = majority([r[2] for r in rows])[1] if len(flags) > 1 else []
     odd = sorted(set(odd_kind) | set(odd_flag))
     what = "entries of different kinds or dtypes" if len(kinds) > 1 else ""
     if len(flags) > 1:
@@ -173,7 +175,7 @@ def _check_headers(o: _Op, rows: list[list[int]]) -> None:
     o.rt.mark_raised()
     raise CollectiveMismatchError(
         f"gather_to_rank0#{o.seq}: ranks passed {what}; differing rank(s): {odd} "
-        f"(this rank: {o.rt.rank})\n" + _format_table(table, []),
+        f"(this rank: {o.rt.rank})\n" + format_table(table, []),
         table=table,
         ranks=odd,
         op="gather_to_rank0",
@@ -183,7 +185,7 @@ def _check_headers(o: _Op, rows: list[list[int]]) -> None:
 
 # -- streaming -------------------------------------------------------------------------------
 def _stream(
-    o: _Op, entries: list[Any], idx: torch.Tensor | None, chunk_bytes: int, device: torch.device
+    o: Op, entries: list[Any], idx: torch.Tensor | None, chunk_bytes: int, device: torch.device
 ) -> tuple[list[list[Any]], list[list[torch.Tensor]], dict[str, Any] | None]:
     """Move every rank's pieces to rank 0, one piece per rank per round.
 
@@ -252,7 +254,7 @@ def _stream(
                     part_idx[r].append(ids)
 
 
-def _raise_unpicklable(o: _Op, ranks: list[int], mine: BaseException | None) -> NoReturn:
+def _raise_unpicklable(o: Op, ranks: list[int], mine: BaseException | None) -> NoReturn:
     o.rt.mark_raised()
     if mine is not None:
         raise mine
@@ -266,7 +268,7 @@ def _raise_unpicklable(o: _Op, ranks: list[int], mine: BaseException | None) -> 
     )
 
 
-def _unpickling_problem(o: _Op, rank: int, error: BaseException) -> dict[str, Any]:
+def _unpickling_problem(o: Op, rank: int, error: BaseException) -> dict[str, Any]:
     return {
         "message": (
             f"gather_to_rank0#{o.seq}: rank 0 could not unpickle an entry sent by rank {rank}: "
@@ -334,7 +336,7 @@ def _parse(piece: torch.Tensor) -> tuple[list[Any], torch.Tensor | None]:
 
 
 def _assemble(
-    o: _Op,
+    o: Op,
     parts: list[list[Any]],
     part_idx: list[list[torch.Tensor]],
     has_idx: bool,
@@ -395,12 +397,12 @@ def _index_problem(
         said.append(f"{len(missing)} index(es) of range({num_items}) missing: {missing[:10]}")
     message = (
         f"gather_to_rank0#{seq}: {'; '.join(said)}; rank(s) at fault: {ranks}\n"
-        + _format_table(table, [])
+        + format_table(table, [])
     )
     return {"message": message, "table": table, "ranks": ranks}
 
 
-def _share_verdict(o: _Op, problem: dict[str, Any] | None, device: torch.device) -> None:
+def _share_verdict(o: Op, problem: dict[str, Any] | None, device: torch.device) -> None:
     cuda = device.type == "cuda"
     payload = dumps(problem) if problem is not None else None
     size = torch.tensor([payload.numel() if payload is not None else 0], device=device)

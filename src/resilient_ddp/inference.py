@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ._runtime import Runtime
 from ._wire import to_cpu
-from .collectives import Duration, _Op
+from .collectives import Duration, Op
 from .errors import ConfigError
 from .gather import gather_to_rank0
 from .process_group import ensure_runtime
@@ -145,7 +145,7 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
         CollectiveTimeoutError: An unfinished rank made no progress for ``timeout``.
         RankFailureError: A rank crashed, raised or left meanwhile.
     """
-    o = _Op("distributed_inference", None, timeout, None, 1, False)
+    o = Op("distributed_inference", timeout=timeout, retry=1, validate=False)
     try:
         if rt.watchdog is not None:
             rt.watchdog.poke()  # publish this rank's final count now, not at the next beat
@@ -167,10 +167,10 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
             if not pending:
                 return
             if any(now - seen[r][1] > o.attempt_s for r in pending):
-                o._timed_out(rt.diagnose(rt.control, o.name, o.seq))
+                o.raise_timeout(rt.diagnose(rt.control, o.name, o.seq))
             time.sleep(interval)
     finally:
-        rt.end_op()
+        o.end()
 
 
 @contextmanager
