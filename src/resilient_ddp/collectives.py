@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import _control as ctl
 from ._backend import comm_device
+from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
 from ._runtime import PendingOp
 from ._wire import dumps, loads
 from .config import SHORTEST_TIMEOUT, RetryPolicy
@@ -56,7 +57,6 @@ __all__ = [
 log = logging.getLogger("resilient_ddp")
 
 T = TypeVar("T")
-_Vote = TypeVar("_Vote", int, str)  # what ranks vote on in majority()
 Duration = timedelta | float | int | None
 _MAX_NDIM = 16
 _MAX_SLICE_S = 0.25  # longest backend wait between two checks for recorded failures
@@ -711,34 +711,6 @@ def format_table(rows: dict[int, dict[str, str]], missing: Sequence[int]) -> str
     first, and a line for each rank in ``missing``."""
     cols = sorted({k for s in rows.values() for k in s}, key=lambda c: (c != "seq", c != "op", c))
     return format_rank_table(rows, cols, missing)
-
-
-def majority(
-    values: Mapping[int, _Vote] | Sequence[_Vote], ignore: _Vote | None = None
-) -> tuple[_Vote, list[int]]:
-    """The majority vote of the ranks: the most common value and the odd ranks out.
-
-    Args:
-        values: Each rank's value, by rank (a mapping of rank to value, or a sequence
-            indexed by rank); ranks absent from a mapping do not vote.
-        ignore: A rank holding this value agrees with every value (it neither votes nor is
-            odd).
-
-    Returns:
-        ``(majority_value, odd_ranks)``: the most common value (ties: the smallest) and the
-        sorted ranks whose value differs from it. Every rank that sees the same values
-        names the same majority and the same odd ranks.
-
-    Raises:
-        ValueError: No rank voted.
-    """
-    by_rank = list(values.items() if isinstance(values, Mapping) else enumerate(values))
-    counts: dict[_Vote, int] = {}
-    for _, v in by_rank:
-        if v != ignore:
-            counts[v] = counts.get(v, 0) + 1
-    common = max(sorted(counts), key=lambda v: counts[v])
-    return common, sorted(r for r, v in by_rank if v not in (common, ignore))
 
 
 def op_signature(op: str, t: torch.Tensor | None = None, **extra: Any) -> dict[str, Any]:
