@@ -19,6 +19,7 @@ import pickle
 import secrets
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -442,6 +443,8 @@ def _child_main(
     except SystemExit as e:
         # sys.exit() is a departure, not a crash: as under torchrun, the code decides.
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            sys.stderr.write(f"{e.code}\n")  # as Python prints sys.exit("message")
         message = ("value", None) if code == 0 else ("exit", code)
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         code = 1
@@ -468,15 +471,46 @@ def _child_main(
 
 
 def _finish(code: int) -> None:
+    """End this rank as a plain Python process ends, with exit code ``code``.
+
+    First, as Python's shutdown does, thread pools are told to finish and the non-daemon
+    threads are joined (a checkpoint that one of them writes must not be cut off); then
+    the library detaches, unless ``fn`` did. After a failure (the exit guard is armed) the
+    interpreter's teardown must not run: gloo objects destructed there can block on a
+    stopped peer or abort the process on a dead one (SIGABRT or SIGSEGV at exit). The
+    code is known here, so the atexit handlers run and ``os._exit(code)`` ends the process.
+    Otherwise it ends as any ``multiprocessing`` process does: ``SystemExit(code)`` leaves
+    the target.
+
+    Raises:
+        SystemExit: With ``code``, unless the process ended here.
+    """
     from . import _runtime
     from .process_group import destroy_process_group
 
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter itself calls
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover - every CPython this supports has it
+        _join_non_daemon_threads()
     try:
         if _runtime.current() is not None:
             destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-    # Everything worth keeping has been sent. Skip the interpreter's teardown: after a
-    # failure, gloo objects destructed there can block on a stopped peer or abort the
-    # process on a dead one (SIGABRT or SIGSEGV at exit).
-    _runtime.hard_exit(code)
+    if _runtime._guard_armed:
+        _runtime.hard_exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def _join_non_daemon_threads() -> None:
+    """Wait until no thread but this one and daemon threads is left."""
+    me = threading.current_thread()
+    while True:
+        alive = [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+        if not alive:
+            return
+        for t in alive:
+            t.join()
