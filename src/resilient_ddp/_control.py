@@ -228,7 +228,11 @@ _JOB_KEY = "resilient_ddp/job_id"
 def _job_of_this_group(timeout: timedelta) -> str:
     """Rank 0 draws the job id and shares it through torch's default store (new for each
     job); the other ranks wait for it."""
-    store = dist.distributed_c10d._get_default_store()
+    from ._torchelastic import attempt_namespace
+
+    # Under torchrun's agent store (which outlives the attempts), the attempt's own
+    # namespace: a restarted attempt's rank must never read the previous attempt's id.
+    store = attempt_namespace(dist.distributed_c10d._get_default_store())
     if dist.get_rank() == 0:
         job = new_job_id()
         store.set(_JOB_KEY, job)
