@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as ctl
+from . import _diagnosis as dg
 from .config import ResilienceConfig
 from .errors import (
     CollectiveMismatchError,
@@ -725,13 +726,26 @@ class Runtime:
             time.sleep(0.05)
             states = control.read_states(others)
         culprits: list[dict[str, Any]] = []
+        verdicts: dict[int, dg.Verdict] = {}
+        ops: dict[int, str] = {}  # what the others issued at seq, for the majority rule
         hb_timeout = self.config.heartbeat_timeout.total_seconds()
         for r in others:
             answered = r in answers
             s = answers.get(r, states.get(r, {}))
+            if s.get("seq") == seq:
+                ops[r] = str(s.get("op"))
             info = self.infos.get(r, {})
-            what = self._what_blocks(r, s, answered, name, seq)
-            if what:
+            verdict = dg.what_blocks(
+                s,
+                answered=answered,
+                stopped=not answered and self.is_stopped(r),
+                name=name,
+                seq=seq,
+                now=time.time(),
+                recovery_phase=RECOVERY_PHASE,
+            )
+            if verdict is not None:
+                verdicts[r] = verdict
                 fresh = time.time() - float(s.get("t", 0)) < hb_timeout
                 extra: dict[str, Any] = {}
                 if s.get("section_left") is not None:
@@ -740,7 +754,8 @@ class Runtime:
                 culprits.append(
                     ctl.culprit_from(
                         r,
-                        what=what,
+                        what=verdict.what,
+                        blame=verdict.blame.name,
                         info=info,
                         state=s,
                         stack=s.get("stack"),
@@ -748,85 +763,23 @@ class Runtime:
                         **extra,
                     )
                 )
-        # Name root causes only. A rank blocked in an earlier collective is waiting on
-        # someone else; a rank ahead may simply have completed its part (a broadcast
-        # receiver does not wait for the others). Each is named only when nothing more
-        # basic explains the stall (then it skipped or diverged).
-        culprits = self._majority_rule(culprits, answers, states, name, seq)
-        # A rank that left after an error of its own (level 3) is a consequence: never named.
-        for level in (0, 1, 2):
-            named = [c for c in culprits if _blame_level(c["what"]) == level]
-            if named:
-                return named
-        return []
-
-    def _majority_rule(
-        self,
-        culprits: list[dict[str, Any]],
-        answers: dict[int, dict[str, Any]],
-        states: dict[int, dict[str, Any]],
-        name: str,
-        seq: int,
-    ) -> list[dict[str, Any]]:
-        """Ranks that issued another collective at ``seq``: the minority is to blame, which
-        may be this rank itself (each side sees the other as different)."""
-        if not any(c["what"].startswith("issued a different") for c in culprits):
-            return culprits
-        ops = {self.rank: name}
-        for r in range(self.world_size):
-            st = answers.get(r, states.get(r, {}))
-            if r != self.rank and st.get("seq") == seq:
-                ops[r] = str(st.get("op"))
-        counts: dict[str, int] = {}
-        for op in ops.values():
-            counts[op] = counts.get(op, 0) + 1
-        majority = max(sorted(counts), key=lambda op: counts[op])
-        if majority == name:
-            return [
-                c
-                for c in culprits
-                if not c["what"].startswith("issued a different") or ops.get(c["rank"]) != name
-            ]
-        others = sorted(r for r, op in ops.items() if op == majority)
-        me = ctl.culprit_from(
-            self.rank,
-            what=f"(this rank) issued {name}#{seq} while rank(s) {others} issued {majority}#{seq}",
-            info=self.identity,
-            state=self.snapshot(0),
-            alive=True,
-        )
-        return [me]
-
-    def _what_blocks(  # noqa: PLR0911 - one return per verdict
-        self, r: int, s: dict[str, Any], answered: bool, name: str, seq: int
-    ) -> str:
-        """Why rank ``r`` (last state ``s``) keeps op ``seq`` from completing, or ``""``."""
-        if s.get("seq") == seq and s.get("op") != name:
-            # Judged before its departure: it may have left because of its own divergence.
-            return f"issued a different collective: {s.get('op')}#{seq}"
-        if s.get("status") in ("left", "failed"):
-            gone = "left the group" if s["status"] == "left" else "failed"
-            # After raising one of our errors itself, it is a consequence (see _blame_level).
-            return f"{gone} after an error of its own" if s.get("raised") else gone
-        if not answered:
-            if self.is_stopped(r):
-                return "is stopped (SIGSTOP or a debugger) and not responding"
-            return f"is not responding (last heartbeat {time.time() - s.get('t', 0):.1f} s ago)"
-        their_seq = s.get("seq", -1)
-        if (
-            their_seq == seq
-            and not s.get("in_op")
-            and (s.get("raised") or s.get("phase") == RECOVERY_PHASE)
-        ):
-            # It arrived, and gave up on the op first (its own deadline fired a moment
-            # earlier): a consequence, like this rank's own timeout, never a cause.
-            return f"gave up on {name}#{seq} itself, after an error of its own"
-        if their_seq < seq or (their_seq == seq and not s.get("in_op")):
-            doing = f"in {s['op']}#{their_seq}" if s.get("in_op") else "outside any collective"
-            return f"never arrived at {name}#{seq}: it is {doing}"
-        if their_seq > seq:
-            return f"is ahead: already in {s.get('op')}#{their_seq}"
-        return ""
+        # Ranks that issued another collective at seq: the minority is to blame, which may
+        # be this rank itself (each side sees the other as different).
+        ruling = dg.majority_rule(self.rank, name, seq, verdicts, ops)
+        if isinstance(ruling, dg.Verdict):
+            me = ctl.culprit_from(
+                self.rank,
+                what=ruling.what,
+                blame=ruling.blame.name,
+                info=self.identity,
+                state=self.snapshot(0),
+                alive=True,
+            )
+            return [me]
+        # Name root causes only (see dg.root_causes): ranked by blame, never by text.
+        kept = [c for c in culprits if c["rank"] in ruling]
+        named = dg.root_causes({c["rank"]: verdicts[c["rank"]] for c in kept})
+        return [c for c in kept if c["rank"] in named]
 
     def is_stopped(self, rank: int) -> bool:
         """Whether ``rank`` runs on this host and its process is stopped (SIGSTOP, a
@@ -884,16 +837,6 @@ class Runtime:
             and info.get("pidns", "") == self.identity.get("pidns", "")
             and info.get("start") is not None
         )
-
-
-def _blame_level(what: str) -> int:
-    if what.endswith("after an error of its own"):
-        return 3
-    if what.startswith("is ahead"):
-        return 2
-    if what.startswith("never arrived") and "outside any collective" not in what:
-        return 1
-    return 0
 
 
 # -- formatting helpers -----------------------------------------------------------------------
