@@ -427,6 +427,9 @@ class ControlPlane:
         (another process overwrote it) is left out."""
         return self._multi_get_json([f"state/{r}" for r in ranks], ranks)
 
+    def has_info(self, rank: int) -> bool:
+        return self._call(self.store.check, [f"info/{rank}"])  # type: ignore[no-any-return]
+
     def has_state(self, rank: int) -> bool:
         return self._call(self.store.check, [f"state/{rank}"])  # type: ignore[no-any-return]
 
@@ -706,6 +709,10 @@ class JobStore:
 
     def end(self, step: int, failed: str | None) -> None:
         self.decide("ended", {"step": step, "failed": failed})
+
+    def is_elastic(self) -> bool:
+        """Whether the job trains elastically (``on_failure="shrink"`` creates ``join/n``)."""
+        return self._has("join/n")
 
     # -- shrink ------------------------------------------------------------------------------
     def post_proposal(self, base: str, proposal: dict[str, Any]) -> None:

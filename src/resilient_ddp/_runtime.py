@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from types import FrameType, TracebackType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,10 @@ from .errors import (
     RankFailureError,
     ResilientDDPError,
 )
+
+if TYPE_CHECKING:  # the runtime's features; they import this module
+    from .elastic import Elastic
+    from .watchdog import Watchdog
 
 __all__: list[str] = []
 
@@ -198,9 +202,9 @@ class Runtime:
         self.told_at = 0.0  # time.monotonic() when the main thread was signalled
         self.told_delivered = False
         self.lingering = False  # the store host waits for its peers before exiting
-        self.watchdog: Any = None
+        self.watchdog: Watchdog | None = None
         self._connections: dict[str, dist.Store] = {}
-        self.elastic: Any = None  # elastic.Elastic with on_failure="shrink"
+        self.elastic: Elastic | None = None  # with on_failure="shrink"
         # time.monotonic() of the watchdog's last completed tick (0: no watchdog yet); a
         # tick that does not complete within stall_s means the store stopped answering.
         self.watchdog_tick = 0.0
@@ -210,6 +214,16 @@ class Runtime:
         # The backend timeout the default group was created with (None: torch's default);
         # a rebuilt generation gets it back after its short rendezvous timeout.
         self.backend_timeout: timedelta | None = None
+
+    def elastic_state(self) -> Elastic:
+        """This rank's elastic state, for code that runs only under elastic training.
+
+        Raises:
+            RuntimeError: The job does not train elastically (a bug of the caller).
+        """
+        if self.elastic is None:
+            raise RuntimeError("resilient_ddp: elastic state asked for without on_failure='shrink'")
+        return self.elastic
 
     def connection(self, purpose: str) -> ctl.ControlPlane:
         """The current generation's control plane over a connection of its own for

@@ -595,7 +595,8 @@ class Op:
         end = time.monotonic() + grace
         if not past_deadline:
             end = min(end, self.deadline)
-        rt.watchdog.poke()
+        if rt.watchdog is not None:
+            rt.watchdog.poke()
         while time.monotonic() < end and not rt.failed_for(self.seq):
             time.sleep(0.02)
         if rt.failed_for(self.seq):

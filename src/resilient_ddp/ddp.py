@@ -151,13 +151,13 @@ class ResilientDDP(DistributedDataParallel):
                 "ResilientDDP cannot follow a process_group of your own there."
             )
         self._rd_args, self._rd_kwargs = args, dict(kwargs)
-        joining = el is not None and el.received is not None and "model" in el.received
-        if joining:
+        received = el.received if el is not None else None
+        if el is not None and received is not None and "model" in received:
             # A joiner: the members sent their state when they admitted it; they do not
             # take part in construction-time checks or DDP's initial broadcast.
-            module.load_state_dict(el.received.pop("model"))
+            module.load_state_dict(received.pop("model"))
             kwargs["init_sync"] = False
-            el.pending_optim = el.received.pop("optim", None)
+            el.pending_optim = received.pop("optim", None)
         else:
             _check_agreement(rt, self._rd_config, module, args, kwargs, group)
         # Buffers are broadcast in forward by our bounded broadcast (see
@@ -445,7 +445,7 @@ class ResilientDDP(DistributedDataParallel):
 
     # -- elastic training (on_failure="shrink") ----------------------------------------------
     def _rd_elastic_forward(self, rt: Runtime, inputs: Any, kwargs: Any) -> Any:
-        el = rt.elastic
+        el = rt.elastic_state()
         el.skip_step = False
         while True:
             try:
@@ -487,7 +487,7 @@ class ResilientDDP(DistributedDataParallel):
             snapshot=self._rd_snapshot,
             load=self._rd_load,
         )
-        rt.elastic.rebuild = True
+        rt.elastic_state().rebuild = True
         # A skipped step's backward still runs through the old reducer's hooks.
         self._rd_release_stuck_reducer()
         return dec
@@ -495,7 +495,7 @@ class ResilientDDP(DistributedDataParallel):
     def _rd_recover_in_backward(self, rt: Runtime, cause: RankFailureError) -> None:
         """A reduction of this backward pass failed with ``on_failure="shrink"``: recover,
         then settle every bucket's future (redone over the survivors, or discarded)."""
-        el = rt.elastic
+        el = rt.elastic_state()
         buckets, self._rd_buckets = self._rd_buckets, []
         has_grads = not self.gradient_as_bucket_view and self._rd_inner_hook is None
         while True:

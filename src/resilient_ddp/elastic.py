@@ -264,7 +264,7 @@ def recover(
             group, or no new generation could be formed within the budget.
         ControlPlaneError: The store stopped answering (its host died).
     """
-    el: Elastic = rt.elastic
+    el = rt.elastic_state()
     t0 = time.monotonic()
     rt.phase = RECOVERY_PHASE  # peers waiting for this rank's proposal see it coming
     if rt.watchdog is not None:
@@ -537,7 +537,7 @@ def _publish_members(rt: Runtime, gen_from: int, world_from: int) -> None:
     It then deletes, from a thread of its own, the keys of the generations before the one
     that came before this one (``gen_from`` of ``world_from`` ranks): no member reads
     them any more, and a long job's store must not grow with every generation."""
-    el: Elastic = rt.elastic
+    el = rt.elastic_state()
     el.past.append((gen_from, world_from, set(el.acks_seen)))
     el.acks_seen = set()
     if rt.rank != 0:
@@ -576,7 +576,7 @@ def _rebuild(rt: Runtime, gen: int, rank: int, members: list[int]) -> None:
     # the last op a heartbeat shows, or a peer's diagnosis would compare across generations.
     rt.seq = 0
     rt.op, rt.op_seq = "", -1
-    rt.elastic.members = list(members)
+    rt.elastic_state().members = list(members)
 
 
 def _mark_ended(root: dist.Store, el: Elastic, why: str | None) -> None:
@@ -898,14 +898,14 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
             continue  # the members went another way (a failure among them)
         rt, state, error = _admit(root, uid, adm, backend, cfg)
         if rt is not None:
-            rt.elastic.events.append(
+            rt.elastic_state().events.append(
                 {
                     "t": time.time(),
                     "kind": "admitted",
                     "requested_t": requested,
                     "generation": rt.generation,
                     "world_size": rt.world_size,
-                    "step": rt.elastic.committed,
+                    "step": rt.elastic_state().committed,
                     "waited_s": round(time.time() - requested, 4),
                 }
             )

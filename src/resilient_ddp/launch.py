@@ -158,6 +158,7 @@ class _Job:
         self.store = ctl.serve_store("127.0.0.1")
         self.job_id, secret = ctl.new_job_id(), secrets.token_hex(32)
         self.control_root = ctl.root_prefix(self.store, self.job_id, secret)
+        self.jobs = ctl.JobStore(self.control_root)
         self.fn, self.args, self.nprocs = fn, args, nprocs
         self.ctx: Any = mp.get_context(start_method)
         self.base_env = {
@@ -246,7 +247,7 @@ class _Job:
                     self._replace(rank)
                     continue
                 if failed and not self.elastic:
-                    self.elastic = _store_has(self.control_root, _ELASTIC_KEY)
+                    self.elastic = _store_has(self.jobs.is_elastic)
                 exited.add(rank)
                 if failed and not self.elastic:
                     kill_at = min(kill_at, now + grace.total_seconds())
@@ -258,13 +259,13 @@ class _Job:
                 next_event_poll = now + 0.25
                 # Elastic training (on_failure="shrink"), even without replacements: the
                 # survivors go on, so they are not stopped after a failure.
-                self.elastic = _store_has(self.control_root, _ELASTIC_KEY)
+                self.elastic = _store_has(self.jobs.is_elastic)
                 events_seen, failed_seen = _failure_reported(self.control_root, events_seen)
                 if failed_seen and not self.elastic:
                     kill_at = now + grace.total_seconds()
             if self.elastic and kill_at == float("inf") and now >= next_event_poll:
                 next_event_poll = now + 0.25
-                if _store_has(self.control_root, _ENDED_KEY):
+                if _store_has(lambda: self.jobs.ended() is not None):
                     # The group failed (too few ranks, a minority) or finished: what is left
                     # (a stopped rank, a joiner) gets the grace period.
                     kill_at = now + grace.total_seconds()
@@ -290,11 +291,7 @@ class _Job:
     def _remove_evicted(self) -> None:
         """Kill a process the group removed (stopped or hung while the others went on)."""
         try:
-            if not self.control_root.check(["members"]):
-                return
-            record = ctl.unseal_dict(
-                self.control_root.mac_key, "members", self.control_root.get("members")
-            )
+            record = self.jobs.members()
             if record is None:
                 return
             members = set(record["members"])
@@ -372,7 +369,7 @@ def _drain(conn: Any, rank: int, results: dict[int, tuple[str, Any]]) -> None:
 def _failure_reported(control_root: dist.Store, seen: int) -> tuple[int, bool]:
     """Whether a failure event appeared in the current generation's log since ``seen``."""
     try:
-        control = ctl.ControlPlane(control_root, int(control_root.add("gen", 0)))
+        control = ctl.ControlPlane(control_root, ctl.JobStore(control_root).generation())
         n = control.event_count()
         if n == seen:
             return seen, False
@@ -384,15 +381,11 @@ def _failure_reported(control_root: dist.Store, seen: int) -> tuple[int, bool]:
         return seen, False
 
 
-# Keys the ranks of an elastic job (on_failure="shrink") set in the store: its set-up, and
-# its end for good (finished, or failed for too few ranks; see elastic.py).
-_ELASTIC_KEY, _ENDED_KEY = "join/n", "ended"
-
-
-def _store_has(control_root: dist.Store, key: str) -> bool:
-    """Whether ``key`` is in the store; an unreadable store counts as "not (yet)"."""
+def _store_has(ask: Callable[[], bool]) -> bool:
+    """``ask()`` (a question to the job's store: is the job elastic, has it ended); an
+    unreadable store counts as "not (yet)"."""
     try:
-        return bool(control_root.check([key]))
+        return ask()
     except Exception:  # noqa: BLE001 - the store is ours; a failed read is retried later
         return False
 
@@ -405,14 +398,14 @@ def _report_death(control_root: dist.Store, rank: int, exitcode: int) -> None:
         else f"exited with code {exitcode}"
     )
     try:
-        gen = int(control_root.add("gen", 0))
+        gen = ctl.JobStore(control_root).generation()
         control = ctl.ControlPlane(control_root, gen)
         if not control.has_state(rank) or not control.claim(rank):
             return
-        state = control.read_states([rank])[rank]
+        state = control.read_states([rank]).get(rank, {})
         if state.get("status") == "left":
             return
-        info = control.read_infos([rank])[rank] if control.store.check([f"info/{rank}"]) else None
+        info = control.read_infos([rank]).get(rank) if control.has_info(rank) else None
         control.post_event(
             {
                 "kind": ctl.EV_CRASH,
