@@ -305,8 +305,9 @@ _rejected: set[str] = set()
 
 
 def _note_rejected(name: str, why: str) -> None:
-    """Log once per key family that a record was ignored (another process writes to the
-    job's store: a stale client, a bug, or an attacker)."""
+    """Log once per key family (``name`` without its generation and rank parts) that a
+    record read under ``name`` was ignored, and ``why``: another process writes to the
+    job's store (a stale client, a bug, or an attacker)."""
     family = "/".join(p for p in name.split("/") if not p.lstrip("gr").isdigit())
     if family not in _rejected:
         _rejected.add(family)
@@ -347,12 +348,12 @@ def serve_store(
     Raises:
         OSError: ``port`` is in use (``EADDRINUSE``).
     """
+    sock: socket.socket | None
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _, _, _, address = infos[0]
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError:
-        infos, sock = [], None
+        sock = None
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -464,17 +465,12 @@ class ControlPlane:
         """
         self.store.wait(list(keys), timeout)
 
-    def poll(self, watched: Sequence[int]) -> tuple[int, int, dict[int, dict[str, Any]]]:
-        """Read, in one round trip, the event count, the diagnosis counter and the states of
-        the watched ranks."""
-        n_events, diag, states, _ = self.poll_all(watched, joins=False)
-        return n_events, diag, states
-
-    def poll_all(
-        self, watched: Sequence[int], *, joins: bool
+    def poll(
+        self, watched: Sequence[int], *, joins: bool = False
     ) -> tuple[int, int, dict[int, dict[str, Any]], int]:
-        """:meth:`poll`, and with ``joins`` the job's join request counter (``join/n``,
-        which elastic training creates), still in one round trip; -1 without."""
+        """Read, in one round trip, the event count, the diagnosis counter, the states of
+        the watched ranks and, with ``joins``, the job's join request counter (``join/n``,
+        which elastic training creates; -1 without)."""
         g = f"g{self.generation}"
         keys = [f"{g}/ev/n", f"{g}/diag"] + [f"{g}/state/{r}" for r in watched]
         raw = self._call(self.root.multi_get, keys + (["join/n"] if joins else []))
@@ -616,10 +612,11 @@ class JobStore:
     def _flag(self, key: str) -> None:
         self._c(self.root.set, key, "1")
 
-    def _counter(self, key: str, by: int = 0) -> int:
-        if by == 0 and self._has(key):
-            return _count(self._c(self.root.get, key))
-        return int(self._c(self.root.add, key, by))
+    def _counter(self, key: str) -> int:
+        """A counter's value, 0 while it does not exist (reading never creates it)."""
+        if not self._has(key):
+            return 0
+        return _count(self._c(self.root.get, key))
 
     def _append(self, key: str, value: dict[str, Any]) -> None:
         self._c(getattr(self.root, "append"), key, "\n" + seal(self.key, key, value) + "\n")  # noqa: B009
@@ -784,13 +781,18 @@ class JobStore:
     def post_has_state(self, generation: int, rank: int) -> None:
         self._put(f"adm/g{generation}/ok/{rank}", {"ok": True})
 
+    def all_have_state(self, generation: int, world: int) -> bool:
+        """Whether every rank of admission generation ``generation`` confirmed it has the
+        state (at most two round trips)."""
+        keys = [f"adm/g{generation}/ok/{r}" for r in range(world)]
+        if not self._has(*keys):
+            return False
+        raw = self._c(self.root.multi_get, keys)
+        return all(unseal(self.key, k, v) == {"ok": True} for k, v in zip(keys, raw, strict=True))
+
     def missing_state(self, generation: int, world: int) -> list[int]:
         """The ranks of admission generation ``generation`` that did not confirm yet."""
-        out = []
-        for r in range(world):
-            if self._get(f"adm/g{generation}/ok/{r}") != {"ok": True}:
-                out.append(r)
-        return out
+        return [r for r in range(world) if self._get(f"adm/g{generation}/ok/{r}") != {"ok": True}]
 
     # -- cleaning up -------------------------------------------------------------------------
     def forget_generation(

@@ -46,7 +46,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -56,7 +56,7 @@ import torch.distributed as dist
 from . import _control as ctl
 from . import _elastic_protocol as proto
 from ._elastic_protocol import ElasticParticipant
-from ._runtime import RECOVERY_PHASE, Runtime
+from ._runtime import RECOVERY_PHASE, Runtime, phase
 from .errors import ControlPlaneError, RankFailureError
 
 __all__ = ["ElasticParticipant", "register_elastic_participant"]
@@ -127,18 +127,6 @@ class Elastic:
                 "why": why,
             }
         )
-
-
-@contextlib.contextmanager
-def _phase(rt: Runtime, name: str) -> Iterator[None]:
-    """Show ``name`` as this rank's phase in its heartbeats meanwhile."""
-    prev, rt.phase = rt.phase, name
-    if rt.watchdog is not None:
-        rt.watchdog.poke()
-    try:
-        yield
-    finally:
-        rt.phase = prev
 
 
 def register_elastic_participant(obj: ElasticParticipant) -> None:
@@ -665,7 +653,7 @@ def maybe_admit(
     error: RankFailureError | None = None
     try:
         _form(rt, el, grow["gen"], grow["members"], list(range(before)))
-        with _phase(rt, TRANSFER_PHASE):
+        with phase(TRANSFER_PHASE):
             _send_state(rt, 0, snapshot, to=list(range(before, rt.world_size)))
     except RankFailureError as e:
         error = e
@@ -737,12 +725,11 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
         jobs.decide(result, {"ok": False})
     deadline = time.monotonic() + _form_timeout(rt.config)
     while (taken := jobs.decision(result)) is None:
-        missing = jobs.missing_state(gen, world)
-        if not missing:
+        if jobs.all_have_state(gen, world):
             jobs.decide(result, {"ok": True})
         elif time.monotonic() < deadline:
             time.sleep(_POLL_S)
-        elif ok and _transferring(rt, missing):
+        elif ok and _transferring(rt, jobs.missing_state(gen, world)):
             # The state source (or a joiner taking the state) is busy, not missing: a
             # large state or a slow link takes longer than the form timeout. It is waited
             # for while its heartbeat says so; one that dies or hangs is reported by the
@@ -951,7 +938,7 @@ def _admit(
     try:
         _runtime.set_current(rt)
         _rebuild(rt, gen, rank, members)
-        with _phase(rt, TRANSFER_PHASE):
+        with phase(TRANSFER_PHASE):
             state = send_state_dict(
                 None, 0, list(range(n_old, len(members))), timeout=cfg.op_timeout, weights_only=True
             )

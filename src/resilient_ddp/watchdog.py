@@ -290,7 +290,7 @@ class Watchdog(threading.Thread):
         # showed its exit.)
         self._check_section()
         self.control.publish_state(rt.rank, self._state())
-        n_events, diag, states, joins = self.control.poll_all(
+        n_events, diag, states, joins = self.control.poll(
             self.watched, joins=rt.elastic is not None
         )
         states = self._usable_states(states)
