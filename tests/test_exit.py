@@ -28,6 +28,22 @@ from . import _exit_workers
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _start(
+    module: str, entry: str, env: dict[str, str], *, session: bool = False
+) -> subprocess.Popen[str]:
+    """Run ``module.entry()`` in a new Python process from the project's root, its output
+    (both streams) captured as text; ``session``: in a process group of its own."""
+    return subprocess.Popen(
+        [sys.executable, "-c", f"from {module} import {entry} as m; m()"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=session,
+    )
+
+
 @pytest.mark.parametrize(
     ("fault", "end", "code"),
     [("kill", "destroy", 0), ("kill", "return", 0), ("stop", "destroy", 0), ("stop", "exit3", 3)],
@@ -48,16 +64,7 @@ def test_survivors_exit_with_their_own_code(fault: str, end: str, code: int) -> 
             "RD_TEST_FAULT": fault,
             "RD_TEST_END": end,
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", "from tests._workers import standalone_main as m; m()"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        procs.append(_start("tests._workers", "standalone_main", env))
     try:
         outs = {}
         deadline = time.monotonic() + 40
@@ -121,15 +128,8 @@ def test_exit_code_is_the_programs_after_a_failure(fault: str, tmp_path: Path) -
                 "RD_EXIT_ENDS": ",".join([*SURVIVOR_ENDS, "return"]),
                 "RD_EXIT_OUT": str(tmp_path),
             }
-            procs[rank] = subprocess.Popen(
-                [sys.executable, "-c", "from tests._exit_workers import standalone_main as m; m()"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # its group holds whatever it starts: killed below
-            )
+            # Its group holds whatever it starts: killed below.
+            procs[rank] = _start("tests._exit_workers", "standalone_main", env, session=True)
         for rank in range(CULPRIT):
             try:
                 outs[rank] = procs[rank].communicate(timeout=max(1, deadline - time.monotonic()))[0]
@@ -215,14 +215,12 @@ def test_armed_guard_keeps_the_interpreters_code(
     """The guard alone (armed directly, no process group): the process ends as Python
     would have ended it (``sys.exit("message")`` prints it and exits 1, Ctrl-C ends it by
     SIGINT), also when ``fork`` fails or SIGCHLD is ignored; its non-daemon thread ends."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from tests._exit_workers import guard_only_main as m; m()"],
-        cwd=ROOT,
-        env={**os.environ, "RD_EXIT_END": end, "RD_EXIT_OUT": str(tmp_path), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the guard's copy of the process is in its group too
+    # The guard's copy of the process is in its group too.
+    proc = _start(
+        "tests._exit_workers",
+        "guard_only_main",
+        {**os.environ, "RD_EXIT_END": end, "RD_EXIT_OUT": str(tmp_path), **env},
+        session=True,
     )
     try:
         try:
