@@ -18,6 +18,8 @@ nox.options.sessions = ["tests", "lint", "mypy"]
 CONSTRAINTS = ("-c", "constraints/ci.txt")
 ROOT = Path(__file__).resolve().parent
 LINT_PATHS = ("src", "tests", "benchmarks", "noxfile.py")
+# The extras of the framework integrations (pyproject.toml).
+FRAMEWORKS = "lightning,accelerate,transformers"
 
 
 @nox.session(python=None)
@@ -27,7 +29,8 @@ def tests(session: nox.Session) -> None:
     spawn`` to start every rank as a fresh interpreter instead of a fork-server child)."""
     # numpy is not a dependency, but without it `import torch` warns and
     # filterwarnings=error turns that warning into an error.
-    session.install(*CONSTRAINTS, "-e", ".[test]", "numpy")
+    # The frameworks' extras: tests/test_frameworks_mp.py runs their real packages.
+    session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
     session.run("pytest", *session.posargs)
 
 
@@ -36,7 +39,7 @@ def stress(session: nox.Session) -> None:
     """Run the multi-process fault tests many times under extra CPU load (default: 20
     runs, one busy-looping process); any failure is a bug. Arguments go to
     ``tests/stress_campaign.py``, e.g. ``-- --runs 5 --hogs 2 -- -k kill``."""
-    session.install(*CONSTRAINTS, "-e", ".[test]", "numpy")
+    session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
     session.run("python", "tests/stress_campaign.py", *session.posargs)
 
 
@@ -53,7 +56,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=None)
 def mypy(session: nox.Session) -> None:
     """Type-check the package with ``mypy --strict``."""
-    session.install(*CONSTRAINTS, "-e", ".", "mypy")
+    # With the frameworks, so that the integrations are checked against their types.
+    session.install(*CONSTRAINTS, "-e", f".[{FRAMEWORKS}]", "mypy")
     session.run("mypy", "--strict", "src")
 
 

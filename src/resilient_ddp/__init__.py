@@ -18,7 +18,7 @@ from .collectives import (
     broadcast_object,
 )
 from .config import ResilienceConfig, RetryPolicy, get_config, set_config
-from .ddp import ResilientDDP
+from .ddp import ResilientDDP, make_resilient
 from .elastic import ElasticParticipant, register_elastic_participant
 from .elastic_sampler import ElasticDistributedSampler
 from .errors import (
@@ -39,6 +39,7 @@ from .inference import distributed_inference
 from .launch import spawn
 from .process_group import destroy_process_group, init_process_group, is_initialized
 from .sampler import BalancedDistributedSampler, LockstepBatchSampler
+from .torch_collectives import bound_torch_collectives
 
 __version__ = "0.1.0"
 
@@ -66,6 +67,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "barrier",
+    "bound_torch_collectives",
     "broadcast",
     "broadcast_object",
     "broadcast_state_dict",
@@ -76,6 +78,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "load_and_broadcast",
+    "make_resilient",
     "phase",
     "register_elastic_participant",
     "section",

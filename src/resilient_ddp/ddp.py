@@ -52,7 +52,7 @@ from .errors import (
 )
 from .process_group import _group_users, ensure_runtime, release_retired
 
-__all__ = ["ResilientDDP"]
+__all__ = ["ResilientDDP", "make_resilient"]
 
 log = logging.getLogger("resilient_ddp")
 
@@ -700,6 +700,119 @@ class ResilientDDP(DistributedDataParallel):
         return self._rd_config
 
 
+# -- taking over a DDP that a framework built --------------------------------------------------
+def make_resilient(
+    model: DistributedDataParallel,
+    *,
+    resilience: ResilienceConfig | None = None,
+    bound_torch_collectives: bool = True,
+) -> ResilientDDP:
+    """Turn a :class:`~torch.nn.parallel.DistributedDataParallel` that a framework built
+    (Accelerate's ``prepare``, the Hugging Face ``Trainer``, code of your own) into a
+    :class:`ResilientDDP`, in place.
+
+    The object stays the same (``make_resilient(m) is m``), so the framework's references
+    to it (its list of models, its optimizer wrappers) stay valid; from the call on it has
+    every guarantee of a :class:`ResilientDDP` built directly: bounded, typed bucket
+    reductions in ``backward()``, a bounded buffer broadcast in ``forward()``, the step and
+    phase in the heartbeat. Like :class:`ResilientDDP`'s constructor it checks, within the
+    op budget, that parameters and environment agree across ranks (DDP had already
+    broadcast rank 0's parameters). Call it on every rank at the same point, before a
+    forward pass or between steps. A model that already is a :class:`ResilientDDP` is
+    returned as it is.
+
+    Args:
+        model: The DDP model (exactly ``DistributedDataParallel``; subclasses are refused).
+        resilience: Budgets and policies, as for :class:`ResilientDDP`.
+        bound_torch_collectives: Also route ``torch.distributed``'s blocking collectives
+            through the library (see :func:`bound_torch_collectives`), so that the
+            framework's own ``all_reduce``, ``barrier`` or ``all_gather`` (metric syncs,
+            ``gather`` for evaluation) end with the library's typed error too.
+
+    Returns:
+        ``model``, now a :class:`ResilientDDP`.
+
+    Blocks while ranks compare parameters and environment (at most ``op_timeout``).
+
+    Raises:
+        ConfigError: ``model`` is not a ``DistributedDataParallel``, is a subclass of it,
+            already has a communication hook, is in the middle of a backward pass, or the
+            configuration asks for ``on_failure="shrink"`` (not supported for a model
+            built by a framework: the framework's samplers and world size would not follow).
+        PreflightError: As for :class:`ResilientDDP`.
+        RankFailureError: A rank failed during the check.
+    """
+    if isinstance(model, ResilientDDP):
+        return model
+    if not isinstance(model, DistributedDataParallel):
+        raise ConfigError(
+            f"make_resilient takes a torch.nn.parallel.DistributedDataParallel, got "
+            f"{type(model).__name__}. HINT: call it on what the framework returns once it "
+            "wrapped the model for distributed training (e.g. accelerator.prepare(model)); "
+            "a model that is not wrapped yet can be wrapped with ResilientDDP directly."
+        )
+    if type(model) is not DistributedDataParallel:
+        raise ConfigError(
+            f"make_resilient takes DistributedDataParallel itself, not the subclass "
+            f"{type(model).__qualname__}: its overrides could not be kept. HINT: build "
+            "ResilientDDP instead, or make your subclass derive from ResilientDDP."
+        )
+    if _in_backward():
+        raise ConfigError(
+            "make_resilient was called during a backward pass. HINT: call it before the "
+            "first forward pass or between steps (after optimizer.step())."
+        )
+    hook_name = model._get_ddp_logging_data().get("comm_hook", "")  # type: ignore[no-untyped-call]
+    if model._comm_hooks or hook_name:
+        raise ConfigError(
+            f"make_resilient: the model already has a communication hook "
+            f"({hook_name or model._comm_hooks[0][0]}); DDP's reducer takes one hook only, "
+            "and the library needs its own. HINT: call make_resilient first, then "
+            "register_comm_hook (ResilientDDP's composes with the library's; built-in C++ "
+            "hooks are refused, use their Python equivalents)."
+        )
+    rt = ensure_runtime(resilience)
+    config = resolve(resilience) if resilience is not None else rt.config
+    if rt.elastic is not None or config.on_failure == "shrink":
+        raise ConfigError(
+            "make_resilient does not support on_failure='shrink': a framework keeps its own "
+            "world size, samplers and process group, which the library could not rebuild "
+            "after a failure. HINT: use on_failure='raise' (the default) and let the "
+            "launcher restart the job from a checkpoint."
+        )
+    group = model.process_group if model.process_group is not dist.group.WORLD else None
+    kwargs: dict[str, Any] = {
+        "device_ids": model.device_ids,
+        "output_device": model.output_device,
+        "dim": model.dim,
+        "find_unused_parameters": model.find_unused_parameters,
+        "gradient_as_bucket_view": model.gradient_as_bucket_view,
+    }
+    if group is not None:
+        kwargs["process_group"] = group
+    _check_agreement(rt, config, model.module, (), kwargs, group)
+    model.__class__ = ResilientDDP
+    adopted: ResilientDDP = model  # type: ignore[assignment]  # its class was just changed
+    adopted._rd_config = config
+    adopted._rd_args, adopted._rd_kwargs = (), kwargs
+    adopted.compute_times = []
+    adopted._rd_steps = 0
+    adopted._rd_init_local_state()
+    if rt.step < 0:
+        rt.step = adopted._rd_step_count(rt)
+    if bound_torch_collectives:
+        from .torch_collectives import bound_torch_collectives as bound
+
+        bound()
+    return adopted
+
+
+def _in_backward() -> bool:
+    """Whether this thread is running a backward pass (autograd's current graph task)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and int(task_id()) != -1
+
+
 # -- construction-time agreement ---------------------------------------------------------------
 def _param_table(module: nn.Module) -> list[tuple[str, str, str]]:
     rows = [(n, str(tuple(p.shape)), str(p.dtype)) for n, p in module.named_parameters()]
@@ -860,6 +973,11 @@ def _resilient_hook(
             return v
 
     p = op.track(inner, future=result, result_fn=pick, hold=elastic_mode)
+    if not ddp._rd_callback_queued and _in_backward():
+        # A backward pass that did not start from an output of ours (the model was made
+        # resilient between its forward and backward passes, or the outputs were detached
+        # and re-attached): wait at its end all the same.
+        ddp._rd_on_backward_start(tensor)
     if ddp._rd_callback_queued:
         ddp._rd_pass.append((op, p, keep))
     else:
