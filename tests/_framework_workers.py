@@ -3,9 +3,12 @@ per framework, written as its users write it, with the library's one or two line
 
 ``python -m tests._framework_workers FRAMEWORK OUT_DIR FAULT [MODE]`` (from the project's root)
 
-* ``FRAMEWORK``: ``lightning`` (``L.Trainer``; started as one process, Lightning starts
-  the other ranks and rank 0 hosts the store), ``fabric`` (``L.Fabric``, likewise),
-  ``accelerate`` and ``transformers`` (under torchrun, whose agent hosts the store).
+* ``FRAMEWORK``: ``lightning`` (``L.Trainer(strategy="resilient_ddp")``, the registered
+  name) and ``fabric`` (``L.Fabric(strategy=ResilientDDPStrategy())``, with a torchmetrics
+  metric synced in every step): started as one process, Lightning starts the other ranks
+  and rank 0 hosts the store; or under torchrun, whose agent hosts the store, as are
+  ``accelerate`` (``rd.make_resilient(accelerator.prepare(model))``) and ``transformers``
+  (the ``Trainer`` with ``ResilientTrainerCallback``).
 * ``FAULT``: ``none``, or ``kill`` / ``raise`` / ``hang`` on rank
   :data:`~tests._launcher_workers.CULPRIT` in its forward pass of step
   :data:`~tests._launcher_workers.FAULT_STEP` (a forward pre-hook on the inner model).
@@ -16,9 +19,9 @@ Every rank writes, as the launcher matrix's script does, a start record, a resul
 (the error it got) and, for the culprit, a fault record; with ``FAULT=none``, each rank
 writes the loss of every step to ``losses{rank}.json``. The framework's collectives are
 exercised in the step: the loss is synced across ranks for logging (Lightning's
-``self.log(..., sync_dist=True)``, ``fabric.all_reduce``, ``accelerator.reduce``; the
-Trainer logs every step), before the backward pass, so a survivor of a fault meets it
-there first.
+``self.log(..., sync_dist=True)``, torchmetrics' ``compute()`` and ``fabric.all_reduce``,
+``accelerator.reduce``; the Trainer logs every step), before the backward pass, so a
+survivor of a fault meets it there first.
 """
 
 from __future__ import annotations
@@ -90,9 +93,9 @@ def lightning(out: Path, fault: str, mode: str) -> list[float]:
 
     strategy: Any = "ddp"
     if mode == "resilient":
-        from resilient_ddp.integrations.lightning import ResilientDDPStrategy
+        import resilient_ddp.integrations.lightning  # noqa: F401 - registers "resilient_ddp"
 
-        strategy = ResilientDDPStrategy()
+        strategy = "resilient_ddp"
     losses: list[float] = []
 
     class Module(L.LightningModule):
@@ -136,6 +139,8 @@ def fabric(out: Path, fault: str, mode: str) -> list[float]:
         from resilient_ddp.integrations.fabric import ResilientDDPStrategy
 
         strategy = ResilientDDPStrategy()
+    from torchmetrics import MeanMetric
+
     f = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     f.launch()
     net = _model()
@@ -143,9 +148,12 @@ def fabric(out: Path, fault: str, mode: str) -> list[float]:
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     model, opt = f.setup(net, opt)
     loader = f.setup_dataloaders(DataLoader(_dataset(), batch_size=BATCH))
+    mean_loss = MeanMetric()  # torchmetrics syncs it across ranks in compute()
     losses = []
     for x, y in loader:
         loss = nn.functional.mse_loss(model(x), y)
+        mean_loss.update(loss.detach())
+        mean_loss.compute()
         losses.append(float(f.all_reduce(loss.detach(), reduce_op="mean")))
         opt.zero_grad()
         f.backward(loss)
@@ -231,6 +239,45 @@ FRAMEWORKS = {
     "accelerate": accelerate,
     "transformers": transformers,
 }
+
+
+def registry() -> dict[str, Any]:
+    """What the registered names give, and what ``on_failure="shrink"`` gives, in code and
+    from the environment (run in a process of its own: importing Lightning changes the
+    process's environment)."""
+    import lightning as L  # noqa: N812 - as Lightning's docs write it
+
+    import resilient_ddp as rd
+    from resilient_ddp.integrations import fabric as rd_fabric
+    from resilient_ddp.integrations import lightning as rd_lightning
+
+    found: dict[str, Any] = {}
+    for name in ("resilient_ddp", "resilient_ddp_spawn"):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+        f = L.Fabric(accelerator="cpu", devices=2, strategy=name)
+        found[name] = {
+            "trainer": type(trainer.strategy).__module__ + "." + type(trainer.strategy).__name__,
+            "trainer_start": trainer.strategy._start_method,
+            "fabric": type(f.strategy).__module__ + "." + type(f.strategy).__name__,
+            "fabric_start": f.strategy._start_method,
+        }
+    shrink = rd.ResilienceConfig(on_failure="shrink")
+    for label, make in (
+        ("lightning", lambda: rd_lightning.ResilientDDPStrategy(resilience=shrink)),
+        ("fabric", lambda: rd_fabric.ResilientDDPStrategy(resilience=shrink)),
+    ):
+        try:
+            make()
+            found[f"{label}_shrink"] = "accepted"
+        except rd.ConfigError as e:
+            found[f"{label}_shrink"] = str(e)
+    os.environ["RESILIENT_DDP_ON_FAILURE"] = "shrink"
+    try:
+        rd_lightning.ResilientDDPStrategy()
+        found["env_shrink"] = "accepted"
+    except rd.ConfigError as e:
+        found["env_shrink"] = str(e)
+    return found
 
 
 def main() -> None:

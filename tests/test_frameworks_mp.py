@@ -7,6 +7,8 @@ Each framework syncs the loss across ranks in every step (``self.log(..., sync_d
 ``fabric.all_reduce``, ``accelerator.reduce``, the Trainer's loss logging): a survivor
 meets the fault there, in the framework's own call to torch, or in the backward pass.
 
+Lightning's ``Trainer`` runs twice: launched by Lightning, and under torchrun.
+
 The promise checked (tests/_matrix.py, as for the launcher matrix): rank 1 of 3 is killed,
 raises or hangs in its forward pass; both survivors raise the library's typed error naming
 rank 1, within 3 s of the fault (kill, raise) or the op timeout set in the environment + 4 s
@@ -40,18 +42,21 @@ from ._matrix import (
     stacks_of_stuck_ranks,
 )
 
-# Framework -> (the package its test needs, how its job is started).
+# Case -> (the script in tests/_framework_workers.py, the package it needs, how its job is
+# started: by Lightning from one process, or by torchrun).
 FRAMEWORKS = {
-    "lightning": ("lightning", "lightning"),
-    "fabric": ("lightning", "lightning"),
-    "accelerate": ("accelerate", "torchrun"),
-    "transformers": ("transformers", "torchrun"),
+    "lightning": ("lightning", "lightning", "lightning"),
+    "lightning-torchrun": ("lightning", "lightning", "torchrun"),
+    "fabric": ("fabric", "lightning", "lightning"),
+    "accelerate": ("accelerate", "accelerate", "torchrun"),
+    "transformers": ("transformers", "transformers", "torchrun"),
 }
 
 
 def _command(framework: str, out: Path, fault: str, mode: str = "resilient") -> list[str]:
-    script = ["-m", "tests._framework_workers", framework, str(out), fault, mode]
-    if FRAMEWORKS[framework][1] == "lightning":
+    script_name, _, launcher = FRAMEWORKS[framework]
+    script = ["-m", "tests._framework_workers", script_name, str(out), fault, mode]
+    if launcher == "lightning":
         # One process: Lightning starts ranks 1 and 2 as copies of this command.
         return [sys.executable, *script]
     return [
@@ -69,7 +74,7 @@ def operator_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def _needs(framework: str) -> None:
     """Skip without the framework (``nox -s tests`` installs them all). Not imported here:
     importing Lightning sets variables in this process's environment."""
-    package = FRAMEWORKS[framework][0]
+    package = FRAMEWORKS[framework][1]
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed (nox -s tests installs it)")
 
@@ -86,7 +91,7 @@ def test_every_survivor_names_the_culprit(
         out = attempt_dir(tmp_path, 0)
         t_launch = time.time()
         with stacks_of_stuck_ranks(tmp_path):
-            launcher = FRAMEWORKS[framework][1]
+            launcher = FRAMEWORKS[framework][2]
             run = launch_command(
                 _command(framework, out, fault), out, operator_env, deadline, launcher
             )
@@ -105,7 +110,7 @@ def test_every_survivor_names_the_culprit(
         kill_everything(tmp_path, run)
 
 
-@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+@pytest.mark.parametrize("framework", [f for f in FRAMEWORKS if f != "lightning-torchrun"])
 def test_a_healthy_run_matches_the_framework_with_its_own_ddp(
     framework: str, operator_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -135,3 +140,31 @@ def test_a_healthy_run_matches_the_framework_with_its_own_ddp(
         assert losses["resilient"] == losses["plain"], losses
     finally:
         kill_everything(tmp_path, None)
+
+
+def test_registered_names_and_what_is_refused(operator_env: dict[str, str]) -> None:
+    _needs("lightning")
+    code = (
+        "import json; from tests._framework_workers import registry; print(json.dumps(registry()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=operator_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, start in (("resilient_ddp", "popen"), ("resilient_ddp_spawn", "spawn")):
+        assert found[name] == {
+            "trainer": "resilient_ddp.integrations.lightning.ResilientDDPStrategy",
+            "trainer_start": start,
+            "fabric": "resilient_ddp.integrations.fabric.ResilientDDPStrategy",
+            "fabric_start": start,
+        }, found
+    for key in ("lightning_shrink", "fabric_shrink", "env_shrink"):
+        assert "on_failure='shrink' is not supported" in found[key], found
+        assert "HINT" in found[key], found
