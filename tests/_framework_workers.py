@@ -27,6 +27,7 @@ survivor of a fault meets it there first.
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import os
 import signal
 import sys
@@ -53,6 +54,13 @@ from tests._launcher_workers import (
 
 BATCH = 4
 LR = 0.05
+# Benchmarks (benchmarks/bench_frameworks.py) run the same scripts longer, on a wider model
+# and fewer ranks; the tests use the defaults.
+STEPS = int(os.environ.get("RD_FW_STEPS", STEPS))
+WORLD = int(os.environ.get("RD_FW_WORLD", WORLD))
+WIDTH = int(os.environ.get("RD_FW_WIDTH", "32"))
+# time.perf_counter() at the start of each training forward pass on this rank.
+STEP_STARTS: list[float] = []
 
 
 def _rank() -> int:
@@ -63,7 +71,7 @@ def _rank() -> int:
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    return nn.Sequential(nn.Linear(16, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
 
 
 def _dataset() -> TensorDataset:
@@ -73,16 +81,15 @@ def _dataset() -> TensorDataset:
 
 
 def _arm_fault(module: nn.Module, rank: int, fault: str, out: Path) -> None:
-    """Make rank CULPRIT fail in its forward pass of step FAULT_STEP."""
-    if fault == "none" or rank != CULPRIT:
-        return
-    calls = [0]
+    """Time each training forward pass of ``module`` (:data:`STEP_STARTS`), and make rank
+    CULPRIT fail in its forward pass of step FAULT_STEP."""
+    armed = fault != "none" and rank == CULPRIT
 
     def hook(_module: nn.Module, _args: Any) -> None:
         if module.training:
-            if calls[0] == FAULT_STEP:
-                _inject(fault, out, calls[0])
-            calls[0] += 1
+            if armed and len(STEP_STARTS) == FAULT_STEP:
+                _inject(fault, out, FAULT_STEP)
+            STEP_STARTS.append(time.perf_counter())
 
     module.register_forward_pre_hook(hook)
 
@@ -297,7 +304,8 @@ def main() -> None:
     except BaseException as e:
         _write_json(out / f"result{rank}.json", _error_record(rank, "train", e))
         raise
-    _write_json(out / f"losses{rank}.json", {"losses": losses})
+    steps_s = [b - a for a, b in itertools.pairwise(STEP_STARTS)]
+    _write_json(out / f"losses{rank}.json", {"losses": losses, "step_s": steps_s})
     _write_json(out / f"result{rank}.json", {"rank": rank, "stage": "done", "type": None})
 
 
