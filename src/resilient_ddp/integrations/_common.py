@@ -4,7 +4,6 @@ model wrapper, built where Lightning builds torch's."""
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 from torch import nn
@@ -33,31 +32,39 @@ def refuse_shrink(resilience: ResilienceConfig | None) -> None:
         )
 
 
-def init_group(
-    backend: str,
-    rank: int,
-    world_size: int,
-    main_address: str,
-    main_port: int,
-    timeout: timedelta | None,
-    resilience: ResilienceConfig | None,
-    device_id: Any,
-) -> None:
-    """Create the default process group through the library (MASTER_ADDR and
-    MASTER_PORT already set by the framework): its rendezvous is checked and bounded, the
-    store host (rank 0) binds one address and stays until its peers have read a failure,
-    and failure detection starts at once. Attaches if the group already exists."""
+def init_group(strategy: Any) -> None:
+    """Create the default process group of a Lightning or Fabric DDP ``strategy`` (its
+    world ranks already set) through the library, where Lightning would call torch's:
+    the rendezvous is checked and bounded, the store host (rank 0) binds one address and
+    stays until its peers have read a failure, and failure detection starts at once.
+    Lightning then finds the group made and goes on. Attaches if the group exists."""
+    env = strategy.cluster_environment
+    assert env is not None
     # What Lightning's own _init_dist_connection sets before torch's env:// rendezvous.
-    os.environ["MASTER_ADDR"] = main_address
-    os.environ["MASTER_PORT"] = str(main_port)
+    os.environ["MASTER_ADDR"] = env.main_address
+    os.environ["MASTER_PORT"] = str(env.main_port)
+    device = strategy.root_device
     init_process_group(
-        backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        config=resilience,
-        device_id=device_id,
+        strategy._get_process_group_backend(),
+        rank=env.global_rank(),
+        world_size=env.world_size(),
+        timeout=strategy._timeout,
+        config=strategy._resilience,
+        device_id=device if device.type != "cpu" else None,
     )
+
+
+def register(registry: Any, strategy: type) -> None:
+    """Register ``strategy`` in a Lightning strategy registry as ``"resilient_ddp"`` (ranks
+    started as processes, as ``"ddp"``) and ``"resilient_ddp_spawn"`` (as ``"ddp_spawn"``)."""
+    for name, start_method in (("resilient_ddp", "popen"), ("resilient_ddp_spawn", "spawn")):
+        registry.register(
+            name,
+            strategy,
+            description=f"resilient_ddp's ResilientDDP, start_method={start_method!r}",
+            override=True,
+            start_method=start_method,
+        )
 
 
 def wrap(

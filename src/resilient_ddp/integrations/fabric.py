@@ -27,7 +27,7 @@ from torch import nn
 from resilient_ddp.config import ResilienceConfig
 from resilient_ddp.ddp import ResilientDDP
 
-from ._common import init_group, refuse_shrink, wrap
+from ._common import init_group, refuse_shrink, register, wrap
 
 __all__ = ["ResilientDDPStrategy"]
 
@@ -50,19 +50,9 @@ class ResilientDDPStrategy(DDPStrategy):
         self._resilience = resilience
 
     def _setup_distributed(self) -> None:
+        """Create the process group through the library, then let Fabric go on."""
         self._set_world_ranks()
-        assert self.cluster_environment is not None
-        env = self.cluster_environment
-        init_group(
-            self._get_process_group_backend(),
-            rank=env.global_rank(),
-            world_size=env.world_size(),
-            main_address=env.main_address,
-            main_port=env.main_port,
-            timeout=self._timeout,
-            resilience=self._resilience,
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
-        )
+        init_group(self)
         super()._setup_distributed()
 
     def setup_module(self, module: nn.Module) -> ResilientDDP:
@@ -70,17 +60,4 @@ class ResilientDDPStrategy(DDPStrategy):
         return wrap(module, self._determine_ddp_device_ids(), self._resilience, self._ddp_kwargs)
 
 
-STRATEGY_REGISTRY.register(
-    "resilient_ddp",
-    ResilientDDPStrategy,
-    description="resilient_ddp's ResilientDDP, ranks started as processes (as 'ddp')",
-    override=True,
-    start_method="popen",
-)
-STRATEGY_REGISTRY.register(
-    "resilient_ddp_spawn",
-    ResilientDDPStrategy,
-    description="resilient_ddp's ResilientDDP, ranks started by spawn (as 'ddp_spawn')",
-    override=True,
-    start_method="spawn",
-)
+register(STRATEGY_REGISTRY, ResilientDDPStrategy)

@@ -32,7 +32,7 @@ from torch import nn
 from resilient_ddp.config import ResilienceConfig
 from resilient_ddp.ddp import ResilientDDP
 
-from ._common import init_group, refuse_shrink, wrap
+from ._common import init_group, refuse_shrink, register, wrap
 
 __all__ = ["ResilientDDPStrategy"]
 
@@ -67,18 +67,7 @@ class ResilientDDPStrategy(DDPStrategy):
         """Create the process group through the library, then let Lightning go on (it
         finds the group already made)."""
         self.set_world_ranks()
-        assert self.cluster_environment is not None
-        env = self.cluster_environment
-        init_group(
-            self._get_process_group_backend(),
-            rank=env.global_rank(),
-            world_size=env.world_size(),
-            main_address=env.main_address,
-            main_port=env.main_port,
-            timeout=self._timeout,
-            resilience=self._resilience,
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
-        )
+        init_group(self)
         super().setup_distributed()
 
     def _setup_model(self, model: nn.Module) -> ResilientDDP:
@@ -87,17 +76,4 @@ class ResilientDDPStrategy(DDPStrategy):
         return wrap(model, self.determine_ddp_device_ids(), self._resilience, self._ddp_kwargs)
 
 
-StrategyRegistry.register(
-    "resilient_ddp",
-    ResilientDDPStrategy,
-    description="resilient_ddp's ResilientDDP, ranks started as processes (as 'ddp')",
-    override=True,
-    start_method="popen",
-)
-StrategyRegistry.register(
-    "resilient_ddp_spawn",
-    ResilientDDPStrategy,
-    description="resilient_ddp's ResilientDDP, ranks started by spawn (as 'ddp_spawn')",
-    override=True,
-    start_method="spawn",
-)
+register(StrategyRegistry, ResilientDDPStrategy)
