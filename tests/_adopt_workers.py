@@ -32,6 +32,9 @@ TORCH_OPS = (
     "all_gather",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_reduce_coalesced",
     "all_gather_object",
     "broadcast_object_list",
 )
@@ -243,6 +246,18 @@ def _call_torch_ops(ns: Any, rank: int, world: int) -> dict[str, Any]:
             ns.reduce_scatter_tensor(part, torch.arange(2.0 * world) + rank),
             part.tolist(),
         )
+    flat = torch.empty(2 * world)
+    res["all_gather_single"] = (
+        ns.all_gather_single(flat, torch.full((2,), 10.0 * rank)),
+        flat.tolist(),
+    )
+    part = torch.empty(2)
+    res["reduce_scatter_single"] = (
+        ns.reduce_scatter_single(part, torch.arange(2.0 * world) + rank),
+        part.tolist(),
+    )
+    pair = [torch.full((2,), float(rank)), torch.ones(1)]
+    res["all_reduce_coalesced"] = (ns.all_reduce_coalesced(pair), [p.tolist() for p in pair])
     objects: list[Any] = [None] * world
     res["all_gather_object"] = (
         ns.all_gather_object(objects, {"rank": rank, "tag": "x" * rank}),

@@ -69,16 +69,7 @@ def test_made_resilient_during_training_trains_like_ddp(mode: str, at: int) -> N
     [
         "forward",  # made resilient before training; the culprit dies in its forward pass
         "mid_step",  # made resilient between forward and backward; dies in the reduction
-        pytest.param(
-            "mid_step_known",  # the same, its death known before the backward starts
-            marks=pytest.mark.xfail(
-                raises=AssertionError,
-                strict=True,
-                reason="src bug: _resilient_hook returns before its mid-step fallback "
-                "when Op() raises (failure already known), so no wait is queued and DDP's "
-                "reducer raises RuntimeError('Unable to cast ... to Tensor')",
-            ),
-        ),
+        "mid_step_known",  # the same, its death known before the backward starts
     ],
 )
 def test_a_rank_killed_after_make_resilient_is_named(where: str) -> None:
@@ -127,6 +118,12 @@ def _expected_torch_ops(rank: int, world: int) -> dict[str, Any]:
             None,
             [float(sum(2 * rank + i + r for r in range(world))) for i in range(2)],
         ),
+        "all_gather_single": (None, [10.0 * r for r in range(world) for _ in range(2)]),
+        "reduce_scatter_single": (
+            None,
+            [float(sum(2 * rank + i + r for r in range(world))) for i in range(2)],
+        ),
+        "all_reduce_coalesced": (None, [[float(sum(range(world)))] * 2, [float(world)]]),
         "all_gather_object": (None, [{"rank": r, "tag": "x" * r} for r in range(world)]),
         "broadcast_object_list": (None, [{"from": 1, "payload": [1, 2, 3]}, "tail"]),
     }

@@ -931,6 +931,11 @@ def _resilient_hook(
     ddp = state()
     assert ddp is not None
     tensor = bucket.buffer()
+    if not ddp._rd_callback_queued and _in_backward():
+        # A backward pass that did not start from an output of ours (the model was made
+        # resilient between its forward and backward passes, or the outputs were detached
+        # and re-attached): wait at its end all the same, and raise there what fails below.
+        ddp._rd_on_backward_start(tensor)
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[tensor.device] if tensor.device.type == "cuda" else None
     )
@@ -973,11 +978,6 @@ def _resilient_hook(
             return v
 
     p = op.track(inner, future=result, result_fn=pick, hold=elastic_mode)
-    if not ddp._rd_callback_queued and _in_backward():
-        # A backward pass that did not start from an output of ours (the model was made
-        # resilient between its forward and backward passes, or the outputs were detached
-        # and re-attached): wait at its end all the same.
-        ddp._rd_on_backward_start(tensor)
     if ddp._rd_callback_queued:
         ddp._rd_pass.append((op, p, keep))
     else:

@@ -20,7 +20,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,11 @@ __all__ = ["bound_torch_collectives"]
 # asynchronously and waits for the work.
 _ASYNC_OPS = (
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
+    "all_reduce_coalesced",
     "all_to_all",
     "all_to_all_single",
     "barrier",
@@ -44,6 +47,7 @@ _ASYNC_OPS = (
     "gather",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
 )
@@ -58,9 +62,11 @@ def bound_torch_collectives(enabled: bool = True) -> None:
     """Bound ``torch.distributed``'s blocking collectives in time, with typed errors.
 
     After the call, ``torch.distributed.all_reduce``, ``broadcast``, ``barrier``,
-    ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
-    ``reduce_scatter``, ``reduce``, ``gather``, ``scatter``, ``all_to_all``,
-    ``all_to_all_single``, ``all_gather_object`` and ``broadcast_object_list`` wait like
+    ``all_gather``, ``all_gather_into_tensor``, ``all_gather_single``,
+    ``reduce_scatter_tensor``, ``reduce_scatter_single``, ``reduce_scatter``, ``reduce``,
+    ``gather``, ``scatter``, ``all_to_all``, ``all_to_all_single``,
+    ``all_reduce_coalesced``, ``all_gather_coalesced`` (those the installed torch has),
+    ``all_gather_object`` and ``broadcast_object_list`` wait like
     the library's own collectives: at most ``op_timeout`` per attempt (late but alive ranks
     are waited for within ``op_budget``), at once when a failure is already known, and
     with :class:`RankFailureError` or :class:`CollectiveTimeoutError` naming the culprit
@@ -129,7 +135,11 @@ def _bounded_async(name: str, original: Callable[..., Any]) -> Callable[..., Any
 
         def body() -> None:
             work = original(*bound.args, **bound.kwargs)
-            if work is not None:  # None: this rank takes no part (not in the group)
+            if isinstance(work, torch._C.Future):
+                # The coalesced ops hand back their work's future, not the work.
+                # (torch._C.Future, the base of torch.futures.Future: same methods.)
+                op.wait_pending(op.track(cast("torch.futures.Future[Any]", work)), work)
+            elif work is not None:  # None: this rank takes no part (not in the group)
                 op.wait(work, cuda=cuda)
 
         first = tensors[0] if tensors else None
