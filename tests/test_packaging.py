@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.resources
 import importlib.util
+import subprocess
+import sys
 
 import resilient_ddp
 
@@ -35,3 +37,24 @@ def test_console_script_points_at_main_module() -> None:
     assert entry_point.value == "resilient_ddp.__main__:main"
     # Found without importing it: importing __main__ must not start the demo.
     assert importlib.util.find_spec("resilient_ddp.__main__") is not None
+
+
+FRAMEWORKS = ("lightning", "pytorch_lightning", "torchmetrics", "accelerate", "transformers")
+
+
+def test_importing_the_package_imports_no_framework() -> None:
+    """``import resilient_ddp`` (and its integrations package) imports none of the
+    frameworks, installed or not; each integration module imports its own."""
+    code = (
+        "import sys, resilient_ddp, resilient_ddp.integrations; "
+        f"print([m for m in {FRAMEWORKS!r} if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_framework_extras_are_declared() -> None:
+    extras = importlib.metadata.metadata("resilient-ddp").get_all("Provides-Extra") or []
+    assert {"lightning", "accelerate", "transformers"} <= set(extras), extras
