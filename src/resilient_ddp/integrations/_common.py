@@ -4,8 +4,10 @@ model wrapper, built where Lightning builds torch's."""
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Any
 
+import torch
 from torch import nn
 
 from resilient_ddp import _runtime
@@ -78,6 +80,9 @@ def wrap(
     rt = _runtime.current()
     if rt is not None and rt.elastic is not None:
         refuse_shrink(rt.config)  # set up elsewhere with on_failure="shrink"
-    model = ResilientDDP(module, device_ids=device_ids, resilience=resilience, **ddp_kwargs)
+    # As Lightning builds DDP on a GPU: on a side stream (torch's CUDA semantics notes).
+    side = torch.cuda.Stream() if device_ids is not None else None  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side) if side is not None else nullcontext():
+        model = ResilientDDP(module, device_ids=device_ids, resilience=resilience, **ddp_kwargs)
     bound_torch_collectives()
     return model
