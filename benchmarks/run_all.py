@@ -1073,6 +1073,300 @@ def _launchers_reading(rows: list[dict[str, Any]], culprit: int) -> list[str]:
     return ["".join(parts), ""]
 
 
+_FW_FAULTS = ("kill", "raise", "hang")
+_FW = {
+    "lightning": "Lightning `Trainer`",
+    "fabric": "Lightning `Fabric`",
+    "accelerate": "Accelerate",
+    "transformers": "Hugging Face `Trainer`",
+}
+
+
+def _fw_survivor(s: dict[str, Any]) -> str:
+    """What one survivor of a framework run got, and when."""
+    if s.get("outcome") == "raised":
+        named = f" naming rank {', '.join(map(str, s['ranks']))}" if s.get("ranks") else ""
+        after = s.get("after_fault_s")
+        when = f" after {after:.2f} s" if after is not None else ""
+        return f"`{s['type']}`{named}{when}: {_short(s.get('message', ''), 80)}"
+    if s.get("outcome") == "blocked":
+        frames = [f.split(" (")[0] for f in s.get("where", "").split(" < ") if f]
+        where = f" in `{frames[0]}`" + (f" (from `{frames[-1]}`)" if len(frames) > 1 else "")
+        cap = f"{s.get('blocked_s', 0):.0f} s after the fault"
+        return f"**still blocked** at the cap ({cap}){where if frames else ''}"
+    if s.get("outcome") == "finished":
+        return "finished training, no error"
+    return "no error recorded"
+
+
+def _fw_launcher(r: dict[str, Any]) -> str:
+    if r.get("cap_hit"):
+        return f"killed at the cap, {r['wall_s']:.0f} s"
+    return f"exit code {r['exit_code']}, {r['wall_s']:.0f} s"
+
+
+@renderer("frameworks")
+def render_frameworks(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    step, faults = setup.get("step", {}), setup.get("faults", {})
+    env = ", ".join(f"`{k}={v}`" for k, v in setup.get("env", {}).items())
+    culprit = faults.get("culprit", 1)
+    lines = [
+        "The framework tests' training scripts (`tests/_framework_workers.py`), started as the "
+        "tests start them: Lightning's `Trainer` and `Fabric` as one process (Lightning "
+        "starts the other ranks), Accelerate and the Hugging Face `Trainer` under torchrun; "
+        "gloo on CPU, configured only through the environment "
+        f"({env}). **plain** is the framework with torch's own DDP; **resilient** adds the "
+        'library\'s one or two lines (`strategy="resilient_ddp"`, `ResilientDDPStrategy()`, '
+        "`rd.make_resilient(...)`, `ResilientTrainerCallback()`). Every script syncs the "
+        "loss across ranks in every step (`self.log(..., sync_dist=True)`, a torchmetrics "
+        "metric and `fabric.all_reduce`, `accelerator.reduce`, the Trainer's logging).",
+        "",
+        f"**Step time**: {step.get('world_size', '?')} ranks, MLP 16 -> "
+        f"{step.get('width', '?')} -> 1 ({step.get('mlp_params', 0):,} parameters; the "
+        "Hugging Face `Trainer` trains its own 1-layer GPT-2 with `n_embd=16`), batch "
+        f"{step.get('batch', '?')}, {step.get('steps', '?')} steps of which the first "
+        f"{step.get('warmup', '?')} are dropped. A step is the time between two training "
+        "forward passes on a rank (the loss sync, backward, optimizer step and next batch "
+        "included); a run's figure is the slower rank's median step. Plain and resilient "
+        f"runs alternate over {step.get('rounds', '?')} rounds (the order flips every round); "
+        "the ratio is the median of the per-round ratios, the added time the median of the "
+        "per-round differences.",
+        "",
+    ]
+    rows = [
+        [
+            _FW.get(r["framework"], r["framework"]),
+            _s(r.get("plain_ms")),
+            _s(r.get("resilient_ms")),
+            _s(r.get("added_ms")),
+            f"{r['ratio']:.2f}" if "ratio" in r else "-",
+            ", ".join(f"{x:.2f}" for x in r.get("ratios", [])),
+            ", ".join(str(c) for c in r.get("plain_exit_codes", [])),
+            ", ".join(str(c) for c in r.get("resilient_exit_codes", [])),
+        ]
+        for r in data.get("step_rows", [])
+    ]
+    header = [
+        "framework",
+        "plain ms",
+        "resilient ms",
+        "added ms",
+        "resilient / plain",
+        "per round",
+        "plain: exit codes",
+        "resilient: exit codes",
+    ]
+    lines += md_table(header, rows, align="lrrrrlll")
+    lines += [
+        "",
+        f"**Faults**: {faults.get('world_size', '?')} ranks, {faults.get('steps', '?')} "
+        f"steps of the MLP 16 -> 32 -> 1; rank {culprit} is killed (SIGKILL), raises a "
+        "`ValueError` or hangs (`time.sleep`) in its forward pass of step "
+        f"{faults.get('fault_step', '?')}. One run per case. For each survivor: the error it "
+        "raised (type, the ranks it names, first line) and the seconds from the fault (the "
+        "culprit's clock) to the error (the survivor's; one host), or, if it was still "
+        f"blocked {faults.get('cap_s', 0):g} s after the fault, where its main thread was "
+        "(a stack dump) before every process of the run was killed. Then the launcher's "
+        "exit code and the job's wall time from the launch (start-up included).",
+        "",
+    ]
+    rows = []
+    for r in data.get("fault_rows", []):
+        surv = r.get("survivors", {})
+        rows.append(
+            [
+                _FW.get(r["framework"], r["framework"]),
+                f"rank {culprit} {_LAUNCH_FAULT.get(r['fault'], r['fault'])}",
+                r["mode"],
+                *(_fw_survivor(surv[k]) if k in surv else "-" for k in sorted(surv, key=int)),
+                _fw_launcher(r),
+            ]
+        )
+    ranks = sorted({k for r in data.get("fault_rows", []) for k in r.get("survivors", {})}, key=int)
+    header = ["framework", "fault", "mode", *(f"rank {k}" for k in ranks), "launcher"]
+    lines += md_table(header, rows, align="lll" + "l" * len(ranks) + "l")
+    lines.append("")
+    lines += _frameworks_reading(data, culprit)
+    left = [
+        f"{_FW.get(r['framework'], r['framework'])} {r['fault']} {r['mode']}: ranks "
+        + ", ".join(map(str, r["left_behind"]))
+        for r in data.get("fault_rows", [])
+        if r.get("left_behind")
+    ]
+    if left:
+        lines += [
+            "Ranks still running 5 s after the launcher returned (killed): "
+            + "; ".join(left)
+            + ".",
+            "",
+        ]
+    return lines
+
+
+def _fw_survivors(data: dict[str, Any], mode: str, faults: Sequence[str]) -> list[dict[str, Any]]:
+    return [
+        s
+        for r in data.get("fault_rows", [])
+        if r["mode"] == mode and r["fault"] in faults
+        for s in r.get("survivors", {}).values()
+    ]
+
+
+def _between(values: Any) -> str:
+    """'a to b' (readable with negative values), or the one value."""
+    got = sorted(values)
+    return f"{got[0]:.2f}" if got[0] == got[-1] else f"{got[0]:.2f} to {got[-1]:.2f}"
+
+
+def _frameworks_reading(data: dict[str, Any], culprit: int) -> list[str]:
+    step_rows = [r for r in data.get("step_rows", []) if "ratio" in r]
+    parts = ["Reading these figures: "]
+    if step_rows:
+        rounds = [x for r in step_rows for x in r.get("ratios", [])]
+        steady = [
+            _FW.get(r["framework"], r["framework"])
+            for r in step_rows
+            if len(r.get("ratios", [])) > 1 and min(r["ratios"]) > 1.05
+        ]
+        parts.append(
+            "the step times come from a shared 2-core machine (see its load average above) "
+            "running 2 ranks of a very small model: a step of a few milliseconds is mostly "
+            "the framework's and the library's per-step Python work and the loss sync, not "
+            "compute, so the added time per step "
+            f"({_between(r['added_ms'] for r in step_rows)} ms) is what carries over to a real "
+            "model, whose steps are far longer. The per-round ratios range over "
+            f"{_span(rounds)}: from run to run the noise is larger than most of the "
+            "differences"
+            + (f"; only {', '.join(steady)} came out slower in every round" if steady else "")
+            + ". "
+        )
+        plain_exits = [
+            (r, c)
+            for r in data.get("step_rows", [])
+            for c in r.get("plain_exit_codes", [])
+            if c not in (0, None)
+        ]
+        if plain_exits:
+            names = sorted({_FW.get(r["framework"], r["framework"]) for r, _ in plain_exits})
+            abort = "terminate called without an active exception"
+            aborts = sum(
+                r.get("plain_log_markers", {}).get(abort, 0) for r in data.get("step_rows", [])
+            )
+            parts.append(
+                f"{len(plain_exits)} healthy plain run(s) ({', '.join(names)}) exited "
+                "non-zero after every rank had written its losses"
+                + (
+                    f" ({aborts} with 'terminate called without an active exception' in a "
+                    "log: an abort in gloo's teardown)"
+                    if aborts
+                    else ""
+                )
+                + "; "
+                + (
+                    "every healthy resilient run exited 0. "
+                    if all(
+                        c == 0
+                        for r in data.get("step_rows", [])
+                        for c in r.get("resilient_exit_codes", [])
+                    )
+                    else "so did some resilient runs. "
+                )
+            )
+    plain_kr = _fw_survivors(data, "plain", ("kill", "raise"))
+    if plain_kr:
+        raised = [s for s in plain_kr if s["outcome"] == "raised"]
+        types = sorted({s["type"] for s in raised})
+        named = sum(1 for s in raised if s.get("ranks"))
+
+        def after(fault: str) -> str:
+            got = [
+                s["after_fault_s"]
+                for s in _fw_survivors(data, "plain", (fault,))
+                if s.get("after_fault_s") is not None
+            ]
+            return f"{_span(got)} s" if got else "?"
+
+        parts.append(
+            f"With torch's own DDP, after a kill or a raise {len(raised)} of {len(plain_kr)} "
+            "survivors failed in the framework's next collective or DDP's backward with "
+            f"{', '.join(f'`{t}`' for t in types)} from gloo ('Connection closed by peer' or "
+            "'Connection reset by peer' and an address: a port, not a rank; "
+            f"{named} of them name a rank), {after('kill')} after a kill and "
+            f"{after('raise')} after a raise (when the culprit's interpreter has exited and "
+            "its sockets closed). "
+        )
+    plain_hang = _fw_survivors(data, "plain", ("hang",))
+    if plain_hang:
+        blocked = [s for s in plain_hang if s["outcome"] == "blocked"]
+        parts.append(
+            f"With a hung rank, {len(blocked)} of {len(plain_hang)} plain survivors were "
+            "still blocked at the cap, in the framework's collective or DDP's backward; "
+            "they would wait for the process group's timeout (30 minutes by default in all "
+            "four frameworks), and the launchers did nothing meanwhile. "
+        )
+    res = _fw_survivors(data, "resilient", _FW_FAULTS)
+    if res:
+        ok = [
+            s
+            for s in res
+            if s["outcome"] == "raised" and s.get("rd_error") and s.get("ranks") == [culprit]
+        ]
+        kr = [
+            s["after_fault_s"]
+            for s in _fw_survivors(data, "resilient", ("kill", "raise"))
+            if s.get("after_fault_s") is not None
+        ]
+        hang = [
+            s["after_fault_s"]
+            for s in _fw_survivors(data, "resilient", ("hang",))
+            if s.get("after_fault_s") is not None
+        ]
+        parts.append(
+            f"With the library's lines, {len(ok)} of {len(res)} survivors raised the "
+            f"library's typed error naming rank {culprit}, in the framework's own collective "
+            "(routed through the library) or in DDP's backward"
+            + (f": within {max(kr):.2f} s after a kill or a raise" if kr else "")
+            + (
+                f", {_span(hang)} s after a hang (the 3 s op timeout, then asking every rank "
+                "where it is)"
+                if hang
+                else ""
+            )
+            + ". "
+        )
+    hung = [
+        r for r in data.get("fault_rows", []) if r["mode"] == "resilient" and r["fault"] == "hang"
+    ]
+    if hung:
+        own = [
+            _FW.get(r["framework"], r["framework"])
+            for r in hung
+            if (r.get("culprit") or {}).get("type") == "CollectiveTimeoutError"
+        ]
+        observer = "Forcefully terminating all other processes"
+        killed = [
+            _FW.get(r["framework"], r["framework"])
+            for r in hung
+            if r.get("exit_code") == -9 and observer in r.get("log_markers", {})
+        ]
+        if own:
+            parts.append(
+                f"The hung rank itself raised `CollectiveTimeoutError` under {', '.join(own)}. "
+            )
+        if killed:
+            parts.append(
+                f"Under {', '.join(killed)} the launch ended with exit code -9 and the hung "
+                "rank recorded nothing: Lightning's launcher (in rank 0's process) checks its "
+                "child processes every 5 s and, once one has exited non-zero, SIGKILLs every "
+                "rank, itself included (its log says 'Forcefully terminating all other "
+                "processes'). "
+            )
+    if len(parts) == 1:
+        return []
+    return ["".join(parts).rstrip(), ""]
+
+
 # -- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
