@@ -83,7 +83,8 @@ def benchmarks(session: nox.Session) -> None:
     """
     started = time.time()  # the recorded wall time includes the install below
     # numpy: see `tests`; matplotlib (the `bench` extra) draws the figures.
-    session.install(*CONSTRAINTS, "-e", ".[bench]", "numpy")
+    # test and the frameworks: bench_frameworks.py runs the framework tests' scripts.
+    session.install(*CONSTRAINTS, "-e", f".[bench,test,{FRAMEWORKS}]", "numpy")
     session.run("python", "benchmarks/run_all.py", "--started", f"{started:.3f}", *session.posargs)
 
 
