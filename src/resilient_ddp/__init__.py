@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # First: refuses a torch outside the supported range before anything uses its internals.
 from . import _compat  # noqa: F401
-from ._runtime import phase, section
+from ._runtime import add_failure_listener, phase, section
 from .checkpoint import broadcast_state_dict, load_and_broadcast
 from .collectives import (
     all_gather,
@@ -63,6 +63,7 @@ __all__ = [
     "RetryPolicy",
     "SpawnError",
     "__version__",
+    "add_failure_listener",
     "all_gather",
     "all_gather_object",
     "all_reduce",

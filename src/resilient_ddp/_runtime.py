@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from . import _control as ctl
 from . import _diagnosis as dg
@@ -44,7 +46,7 @@ if TYPE_CHECKING:  # the runtime's features; they import this module
     from .elastic import Elastic
     from .watchdog import Watchdog
 
-__all__: list[str] = []
+__all__ = ["add_failure_listener"]
 
 log = logging.getLogger("resilient_ddp")
 
@@ -197,6 +199,8 @@ class Runtime:
         self.mismatches = 0
         self.last_straggler_report: dict[str, Any] = {}
         self.raised = False  # this rank raised a failure error: its departure is a consequence
+        # The failure listeners were called for the current failure (see notify_failure).
+        self.failure_notified = False
         # The peers' verdict on this rank, raised in its main thread (see tell_main).
         self.told_error: RankFailureError | None = None
         self.told_at = 0.0  # time.monotonic() when the main thread was signalled
@@ -526,7 +530,8 @@ class Runtime:
 
     def _fail_pending(self, p: PendingOp) -> None:
         if p.future is not None and not p.hold:
-            p.fail_future(self.build_error(p.name, p.seq))
+            # The watchdog's thread: the listeners run where the error is raised.
+            p.fail_future(self.build_error(p.name, p.seq, notify=False))
         else:
             p.event.set()
 
@@ -559,10 +564,35 @@ class Runtime:
         self.raised = True
         arm_exit_guard()
 
-    def build_error(self, name: str, seq: int, *, head: str | None = None) -> RankFailureError:
+    def notify_failure(self, error: RankFailureError) -> RankFailureError:
+        """Call the failure listeners (:func:`add_failure_listener`) with ``error``, once
+        per failure on this rank: for the first typed error this rank meets for it, on the
+        thread about to raise it. Elastic training starts over after each recovery.
+
+        Returns:
+            ``error``, for ``raise rt.notify_failure(RankFailureError(...))``.
+        """
+        if self.failure_notified:
+            return error
+        self.failure_notified = True
+        for fn in list(_failure_listeners.values()):
+            try:
+                fn(error)
+            except Exception:
+                log.exception("rank %d: a failure listener raised; going on", self.rank)
+        return error
+
+    def build_error(
+        self, name: str, seq: int, *, head: str | None = None, notify: bool = True
+    ) -> RankFailureError:
         """The typed error explaining why op ``seq`` cannot complete (marks this rank as
         failed by consequence, so that its later departure names no one). ``head`` replaces
-        the first words of the message (which say what could not complete)."""
+        the first words of the message (which say what could not complete). With ``notify``
+        (the caller raises it), the failure listeners are called with it first."""
+        err = self._build_error(name, seq, head=head)
+        return self.notify_failure(err) if notify else err
+
+    def _build_error(self, name: str, seq: int, *, head: str | None = None) -> RankFailureError:
         self.mark_raised()
         if self.control_plane_error is not None and not self.failures:
             # Fatal: nothing can be coordinated any more. The ranks on other hosts are cut off
@@ -894,6 +924,36 @@ def format_tb_summary(tb: TracebackType | None, depth: int) -> str:
         return ""
     frames = traceback.extract_tb(tb)
     return "".join(traceback.format_list(frames[-depth:])).rstrip("\n")
+
+
+# -- failure listeners --------------------------------------------------------------------------
+# An OrderedDict: RemovableHandle keeps a weak reference to it (a plain dict has none).
+_failure_listeners: OrderedDict[int, Callable[[RankFailureError], object]] = OrderedDict()
+
+
+def add_failure_listener(fn: Callable[[RankFailureError], object]) -> RemovableHandle:
+    """Call ``fn(error)`` on this rank when it meets a failure, before the error is raised.
+
+    ``error`` is the library's typed error (:class:`RankFailureError` or a subclass) naming
+    the culprit(s) in ``error.ranks``. ``fn`` is called once per failure, on the thread
+    that raises it (the training loop's), before the error leaves the library: with
+    ``on_failure="raise"`` before the rank raises it; with ``on_failure="shrink"`` before
+    the survivors recover (and again for the next failure). The model and the optimizer
+    still hold the state of the last completed step, the same on every survivor: the
+    place for alerting, metrics and an emergency checkpoint. Collectives fail at once
+    there (the group failed); an exception of ``fn`` is logged and does not hide the
+    failure. Listeners are process-wide and may be added before or after
+    :func:`init_process_group`.
+
+    Args:
+        fn: Called with the typed error; its return value is ignored.
+
+    Returns:
+        A handle whose ``remove()`` takes the listener off again.
+    """
+    handle = RemovableHandle(_failure_listeners)
+    _failure_listeners[handle.id] = fn
+    return handle
 
 
 # -- the process-wide runtime and its hooks -------------------------------------------------

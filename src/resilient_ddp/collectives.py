@@ -671,7 +671,7 @@ class Op:
         else:
             message = f"{head}; every rank arrived but the data plane did not complete the op"
         err = cls(message, culprits=objs, op=self.name, seq=self.seq, generation=rt.generation)
-        raise err from cause
+        raise rt.notify_failure(err) from cause
 
 
 def _completed_with(work: Any) -> BaseException | None:

@@ -254,6 +254,8 @@ def recover(
     """
     el = rt.elastic_state()
     t0 = time.monotonic()
+    if isinstance(cause, RankFailureError):
+        rt.notify_failure(cause)  # if the failed op did not already
     rt.phase = RECOVERY_PHASE  # peers waiting for this rank's proposal see it coming
     if rt.watchdog is not None:
         rt.watchdog.poke()
@@ -270,11 +272,13 @@ def recover(
     while True:
         if time.monotonic() - t0 > budget:
             rt.mark_raised()
-            raise RankFailureError(
-                f"rank {rt.rank}: no new generation could be formed within {budget:.0f} s "
-                "after a failure; giving up",
-                culprits=first_culprits,
-                generation=rt.generation,
+            raise rt.notify_failure(
+                RankFailureError(
+                    f"rank {rt.rank}: no new generation could be formed within {budget:.0f} s "
+                    "after a failure; giving up",
+                    culprits=first_culprits,
+                    generation=rt.generation,
+                )
             ) from cause
         dec = _agree(
             rt, el, f"rec/g{gen_from}/r{round_}", candidates, where, has_grads, (gen_from, world)
@@ -282,17 +286,21 @@ def recover(
         if dec.get("fail"):
             rt.mark_raised()
             _mark_ended(rt.control_root, el, dec["fail"])
-            raise RankFailureError(
-                dec["fail"] + "".join("\n" + c.describe() for c in first_culprits),
-                culprits=first_culprits,
-                generation=rt.generation,
+            raise rt.notify_failure(
+                RankFailureError(
+                    dec["fail"] + "".join("\n" + c.describe() for c in first_culprits),
+                    culprits=first_culprits,
+                    generation=rt.generation,
+                )
             ) from cause
         if el.uid not in dec["members"]:
             rt.mark_raised()
-            raise RankFailureError(
-                f"rank {rt.rank} (member {el.uid}) was removed from the group: the others "
-                f"formed generation {dec['gen']} without it (it did not answer in time)",
-                generation=rt.generation,
+            raise rt.notify_failure(
+                RankFailureError(
+                    f"rank {rt.rank} (member {el.uid}) was removed from the group: the others "
+                    f"formed generation {dec['gen']} without it (it did not answer in time)",
+                    generation=rt.generation,
+                )
             ) from cause
         try:
             _form(rt, el, dec["gen"], dec["members"], dec.get("old_ranks"))
@@ -314,6 +322,7 @@ def recover(
         break
     _publish_members(rt, gen_from, world)
     rt.raised = False
+    rt.failure_notified = False  # the next failure calls the listeners again
     # Only the ranks the group lost: a timeout can also name a rank that merely gave up
     # first (it was recovering already, and is still a member).
     lost = [c for c in first_culprits if c.rank in dec["lost"]]

@@ -42,23 +42,27 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
     votes = jobs.vote_retry(g, seq, attempt)
     while votes < rt.world_size or jobs.retry_called_off(g, seq, attempt):
         if jobs.retry_called_off(g, seq, attempt):
-            raise RankFailureError(
-                f"{name}#{seq}: the group retry was called off by a rank that gave up",
-                op=name,
-                seq=seq,
-                generation=rt.generation,
+            raise rt.notify_failure(
+                RankFailureError(
+                    f"{name}#{seq}: the group retry was called off by a rank that gave up",
+                    op=name,
+                    seq=seq,
+                    generation=rt.generation,
+                )
             )
         if rt.failed_for(seq):
             raise rt.build_error(name, seq)
         if time.monotonic() >= deadline:
             jobs.call_off_retry(g, seq, attempt)
             rt.mark_raised()
-            raise RankFailureError(
-                f"{name}#{seq}: only {votes} of {rt.world_size} ranks agreed to retry within "
-                "the budget; the others completed the op or failed, so nobody retries",
-                op=name,
-                seq=seq,
-                generation=rt.generation,
+            raise rt.notify_failure(
+                RankFailureError(
+                    f"{name}#{seq}: only {votes} of {rt.world_size} ranks agreed to retry within "
+                    "the budget; the others completed the op or failed, so nobody retries",
+                    op=name,
+                    seq=seq,
+                    generation=rt.generation,
+                )
             )
         time.sleep(0.02)
         votes = jobs.retry_votes(g, seq, attempt)
@@ -118,10 +122,12 @@ def rebuild(
     except Exception as e:
         forget_failed_init()
         rt.mark_raised()
-        raise RankFailureError(
-            f"rank {rt.rank} could not form generation {generation} within {timeout_s:.1f} s "
-            f"({type(e).__name__}: {e})",
-            generation=rt.generation,
+        raise rt.notify_failure(
+            RankFailureError(
+                f"rank {rt.rank} could not form generation {generation} within {timeout_s:.1f} s "
+                f"({type(e).__name__}: {e})",
+                generation=rt.generation,
+            )
         ) from e
     if rt.watchdog is not None:
         rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
@@ -142,7 +148,7 @@ def rebuild(
         _join_control_plane(rt, timeout=timedelta(seconds=max(timeout_s, 1.0)))
     except PreflightError as e:
         rt.mark_raised()
-        raise RankFailureError(str(e), generation=generation) from e
+        raise rt.notify_failure(RankFailureError(str(e), generation=generation)) from e
     if rt.rank == 0:
         # The launcher (rd.spawn) reads the current generation from here.
         ctl.JobStore(rt.control_root).set_generation(generation)

@@ -1,0 +1,128 @@
+"""Ranks of tests/test_failure_listeners_mp.py: a failure listener that saves an emergency
+checkpoint, in raise and shrink modes, and a fresh job that resumes from it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+import resilient_ddp as rd
+from resilient_ddp.testing import kill_self
+
+from ._ddp_workers import _init
+from ._elastic_workers import _cfg, _model, state_hash
+
+FAULT_STEP = 3
+STEPS = 6
+
+
+def batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s data (the model has no buffers: with BatchNorm, DDP's ranks hold
+    different running statistics between forward passes, as rank 0's are broadcast at
+    the start of each)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def _survivor(rank: int, world: int, error: rd.RankFailureError) -> int:
+    """The recipe's saver: the lowest rank that is not a culprit (rank 0 may be one)."""
+    return min(r for r in range(world) if r not in error.ranks)
+
+
+def emergency_checkpoint(rank: int, culprit: int, path: str, cfg: dict[str, Any]) -> Any:
+    """Train until rank ``culprit`` is killed at step FAULT_STEP; a listener on every rank
+    records the call, and the lowest surviving rank saves model, optimizer and step."""
+    _init(cfg)
+    model = rd.ResilientDDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    calls: list[dict[str, Any]] = []
+
+    def save(error: rd.RankFailureError) -> None:
+        calls.append(
+            {
+                "type": type(error).__name__,
+                "ranks": list(error.ranks),
+                "main_thread": threading.current_thread() is threading.main_thread(),
+                "hash": state_hash(model.module, opt),
+            }
+        )
+        if rank == _survivor(rank, model.resilience_stats["world_size"], error):
+            state = {
+                "model": model.module.state_dict(),
+                "opt": opt.state_dict(),
+                "step": model.resilience_stats["step"],
+            }
+            torch.save(state, path)
+
+    def broken(error: rd.RankFailureError) -> None:
+        raise OSError("a listener that fails (disk full)")
+
+    rd.add_failure_listener(save)
+    rd.add_failure_listener(broken)  # logged; must not hide the failure
+    try:
+        for step, (x, y) in enumerate(batches(rank, STEPS)):
+            if rank == culprit and step == FAULT_STEP:
+                kill_self()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except rd.RankFailureError as e:
+        return {
+            "raised": type(e).__name__,
+            "ranks": list(e.ranks),
+            "calls": calls,
+            "hash_after": state_hash(model.module, opt),
+            "step": model.resilience_stats["step"],
+        }
+    finally:
+        rd.destroy_process_group()
+    return {"raised": None, "calls": calls}
+
+
+def resume(rank: int, path: str) -> Any:
+    """A fresh job: load the emergency checkpoint on every rank, train one more step."""
+    _init({})
+    model = rd.ResilientDDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = torch.load(path, weights_only=True)
+    model.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    loaded = state_hash(model.module, opt)
+    x, y = batches(rank, 1)[0]
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    rd.destroy_process_group()
+    return {"loaded": loaded, "step": state["step"]}
+
+
+def shrink_listener(rank: int, culprit: int) -> Any:
+    """on_failure="shrink": the listener is called once per failure on the survivors,
+    before they recover; training goes on."""
+    rd.init_process_group("gloo", config=_cfg())
+    model = rd.ResilientDDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[dict[str, Any]] = []
+    rd.add_failure_listener(
+        lambda e: calls.append(
+            {
+                "type": type(e).__name__,
+                "ranks": list(e.ranks),
+                "world": model.resilience_stats["world_size"],
+                "t": time.monotonic(),
+            }
+        )
+    )
+    for step, (x, y) in enumerate(batches(rank, STEPS)):
+        if rank == culprit and step == FAULT_STEP:
+            kill_self()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    stats = model.resilience_stats
+    rd.destroy_process_group()
+    return {"calls": calls, "world": stats["world_size"], "failures": stats["failures"]}

@@ -1,0 +1,77 @@
+"""rd.add_failure_listener: called once on every rank that meets a failure, with the typed
+error, before it is raised (raise mode) or before the survivors recover (shrink mode); the
+emergency-checkpoint recipe, with rank 0 itself the culprit, and a fresh job resuming from
+that checkpoint bit for bit."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import resilient_ddp as rd
+from resilient_ddp import _runtime
+from resilient_ddp.testing import format_outcomes, run_ranks
+
+from . import _listener_workers as w
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 4.0, "op_timeout": 1.5}
+
+
+def _run(fn: Any, world: int, *args: Any, ranks: list[int]) -> dict[int, Any]:
+    outcomes = run_ranks(
+        fn, world, args, timeout=timedelta(seconds=45), grace=timedelta(seconds=10)
+    )
+    report = format_outcomes(outcomes)
+    for r in ranks:
+        assert outcomes[r].exitcode == 0, report
+    return {r: outcomes[r].value for r in ranks}
+
+
+def test_an_emergency_checkpoint_saved_when_rank_0_fails_resumes_bitwise(tmp_path: Path) -> None:
+    path = str(tmp_path / "emergency.pt")
+    survivors = _run(w.emergency_checkpoint, 3, 0, path, FAST, ranks=[1, 2])
+    hashes = set()
+    for r, v in survivors.items():
+        assert v["raised"] == "RankFailureError", (r, v)
+        assert v["ranks"] == [0], (r, v)
+        # Once, with the error it raised, on the training thread, before the raise: the
+        # state then is the one the rank holds after catching the error.
+        assert len(v["calls"]) == 1, (r, v["calls"])
+        call = v["calls"][0]
+        assert call["type"] == "RankFailureError", call
+        assert call["ranks"] == [0], call
+        assert call["main_thread"], call
+        assert call["hash"] == v["hash_after"], (r, v)
+        assert v["step"] == w.FAULT_STEP, (r, v)
+        hashes.add(v["hash_after"])
+    assert len(hashes) == 1, survivors  # the survivors agree
+    assert Path(path).exists()  # saved by rank 1, the lowest survivor
+    resumed = _run(w.resume, 2, path, ranks=[0, 1])
+    (saved,) = hashes
+    for r, v in resumed.items():
+        assert v["loaded"] == saved, (r, v)  # bit for bit the survivors' state
+        assert v["step"] == w.FAULT_STEP, (r, v)
+
+
+def test_under_shrink_the_listener_runs_once_per_failure_before_recovery() -> None:
+    culprit = 2
+    values = _run(w.shrink_listener, 4, culprit, ranks=[0, 1, 3])
+    for r, v in values.items():
+        assert v["world"] == 3, (r, v)
+        assert v["failures"] == 1, (r, v)
+        assert len(v["calls"]) == 1, (r, v["calls"])
+        call = v["calls"][0]
+        assert "RankFailureError" in call["type"], call
+        assert call["ranks"] == [culprit], call
+        assert call["world"] == 4, call  # before the recovery formed the smaller world
+
+
+def test_a_listener_handle_removes_it() -> None:
+    def fn(error: rd.RankFailureError) -> None:
+        pass
+
+    handle = rd.add_failure_listener(fn)
+    assert fn in _runtime._failure_listeners.values()
+    handle.remove()
+    assert fn not in _runtime._failure_listeners.values()
