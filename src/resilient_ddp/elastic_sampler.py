@@ -16,27 +16,53 @@ completed on the group), so:
 
 The last step of an epoch splits what is left evenly; fewer indices than ranks are dropped
 (every rank must take part in every step) and counted in :attr:`dropped`.
+
+**Workers and prefetching.** A DataLoader with ``num_workers > 0`` takes index batches
+from its batch sampler ahead of the steps that train them (``num_workers *
+prefetch_factor`` of them). :class:`ElasticDataLoader` tells the sampler which batch
+reaches the training loop (its batches come in the order they were planned): a batch
+planned ahead stays a reservation of the queue until then. A world change (a shrink, an
+admission, a skipped step, state taken over) invalidates every reservation: those
+batches are dropped when they arrive (never seen by the loop) and their indices planned
+again for the new group, from the committed position. While batches are in flight at an
+epoch's end, the sampler hands the loader a one-sample filler batch (dropped too) instead
+of ending the epoch, so that indices given back by a late failure are still trained in
+it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sized
+from types import FrameType
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from . import _runtime
 from .errors import ConfigError
 
-__all__ = ["ElasticDistributedSampler"]
+__all__ = ["ElasticBatchSampler", "ElasticDataLoader", "ElasticDistributedSampler"]
 
 
-class ElasticDistributedSampler:
+class _Pass:
+    """One ``iter()`` of the sampler: what it yielded, by position (``None``: a filler)."""
+
+    def __init__(self, tracked: bool) -> None:
+        self.tracked = tracked
+        self.tickets: dict[int, dict[str, Any] | None] = {}
+        self.yielded = 0
+
+
+class ElasticBatchSampler:
     """Batch sampler whose shards follow the group through failures and joins.
 
-    Use it as a DataLoader's ``batch_sampler`` with ``num_workers=0`` (a worker pool
-    fetches batches ahead of the steps that commit them), or iterate it directly. Every
-    rank creates it with the same arguments.
+    Pass it as ``batch_sampler`` of an :class:`ElasticDataLoader` (any ``num_workers``,
+    ``prefetch_factor``, ``persistent_workers``), of a plain ``DataLoader`` with
+    ``num_workers=0``, or iterate it directly. Every rank creates it with the same
+    arguments. (It is not torch's ``torch.distributed.elastic.utils.data.
+    ElasticDistributedSampler``, a ``sampler=``-style class.)
 
     Args:
         dataset: A sized dataset, or the number of samples.
@@ -46,7 +72,9 @@ class ElasticDistributedSampler:
         seed: Seed of the shuffle.
 
     Raises:
-        ConfigError: ``batch_size`` is not positive.
+        ConfigError: ``batch_size`` is not positive; when iterated under elastic training
+            by a plain ``DataLoader`` with worker processes (use
+            :class:`ElasticDataLoader`).
     """
 
     def __init__(
@@ -71,6 +99,13 @@ class ElasticDistributedSampler:
         self._pos = 0
         self._done = False  # the queue's epoch is finished
         self._pending: list[dict[str, Any]] = []  # fetches not committed yet
+        # Batches planned for an ElasticDataLoader that did not reach the loop yet: they
+        # reserve the queue after the pending ones until delivered or invalidated.
+        self._ahead: list[dict[str, Any]] = []
+        self._pass: _Pass | None = None
+        self._track_next = False  # the next iter() is an ElasticDataLoader's
+        self.plan_version = 0  # bumped when the batches planned ahead are invalidated
+        self.stale_batches = 0  # batches dropped by ElasticDataLoader (planned for another plan)
         self.committed_steps = 0
         from .elastic import register_elastic_participant
 
@@ -94,8 +129,32 @@ class ElasticDistributedSampler:
             self._order = list(range(self.num_samples))
         self._epoch, self._pos, self._head, self._done = epoch, 0, [], False
         self._pending = []
+        self._invalidate()
 
     def __iter__(self) -> Iterator[list[int]]:
+        tracked = self._track_next  # set during an ElasticDataLoader's iter() (which may
+        # call iter() on its batch sampler more than once: the last pass is the one used)
+        if self._pass is not None and self._pass.tracked:
+            self._invalidate()  # what an earlier loader pass planned ahead never arrives
+        self._pass = p = _Pass(tracked)
+        if tracked:
+            return self._iter_tracked(p)
+        if _elastic() and _multiprocess_loader_caller():
+            # Raised at the first batch, not here: torch's iterator is half built now.
+            return self._refuse()
+        return self._iter_plain()
+
+    def _refuse(self) -> Iterator[list[int]]:
+        raise ConfigError(
+            f"{type(self).__name__} is the batch_sampler of a DataLoader with worker "
+            "processes: that loader plans batches ahead of the steps that commit them, "
+            "and would train batches planned for a group that changed. Use "
+            "resilient_ddp.ElasticDataLoader (same arguments as DataLoader), which "
+            "drops those batches, or num_workers=0"
+        )
+        yield []  # a generator
+
+    def _iter_plain(self) -> Iterator[list[int]]:
         epoch = self._requested
         if self._epoch > epoch:
             return  # a joiner: the job is past this epoch
@@ -108,6 +167,75 @@ class ElasticDistributedSampler:
             if batch is None:
                 return
             yield batch
+
+    def _iter_tracked(self, p: _Pass) -> Iterator[list[int]]:
+        """The batches of an :class:`ElasticDataLoader`'s pass, planned ahead (see
+        :meth:`_deliver`); a filler while nothing can be planned but batches are in
+        flight."""
+        epoch = self._requested
+        if self._epoch > epoch:
+            return
+        if self._epoch < epoch or self._done:
+            self._start(epoch)
+        while self._epoch == epoch and self._pass is p:
+            f = self._fetch_ahead()
+            if f is None:
+                if not self._ahead:
+                    return
+                batch = [0]  # a filler, dropped on delivery
+            else:
+                batch = f["items"][f["starts"][f["rank"]] : f["starts"][f["rank"] + 1]]
+            p.tickets[p.yielded] = f
+            p.yielded += 1
+            yield batch
+
+    def _fetch_ahead(self) -> dict[str, Any] | None:
+        world, rank, members = _membership()
+        if not _elastic() and self._pending:
+            # No elastic runtime: a fetch happens when the loop asks for another batch,
+            # so every batch it got before is done.
+            self.on_step_committed(members)
+        if self._ahead and self._ahead[-1]["members"] != members:
+            self._invalidate()
+        offset = sum(f["n"] for f in self._pending) + sum(f["n"] for f in self._ahead)
+        f = self._plan(offset, world, members)
+        if f is None:
+            if not self._pending and not self._ahead:
+                self.dropped = self._available()
+                self._done = True
+            return None
+        f["rank"] = rank
+        f["version"] = self.plan_version
+        self._ahead.append(f)
+        return f
+
+    def _deliver(self, p: _Pass, k: int) -> bool:
+        """The ``k``-th batch of pass ``p`` reached the loop: whether to train it (it was
+        planned under the plan that still holds), else it is dropped."""
+        f = p.tickets.pop(k, None)
+        _, _, members = _membership()
+        if not _elastic() and self._pending:
+            self.on_step_committed(members)
+        if f is None:
+            return False  # a filler
+        if p is not self._pass or not self._ahead or self._ahead[0] is not f:
+            self.stale_batches += 1
+            if any(a is f for a in self._ahead):
+                self._invalidate()  # never: batches arrive in the order they were planned
+            return False
+        if f["members"] != members or f["version"] != self.plan_version:
+            self.stale_batches += 1
+            self._invalidate()
+            return False
+        self._ahead.pop(0)
+        self._pending.append(f)
+        return True
+
+    def _invalidate(self) -> None:
+        """Forget the batches planned ahead: the plan changed (they are dropped when they
+        arrive, and their indices planned again)."""
+        self._ahead = []
+        self.plan_version += 1
 
     def __len__(self) -> int:
         """Steps left in the epoch at the current world size (an estimate across changes)."""
@@ -134,6 +262,18 @@ class ElasticDistributedSampler:
             # No elastic runtime: each fetch commits the one before, as a plain sampler.
             self.on_step_committed(members)
         offset = sum(f["n"] for f in self._pending)
+        f = self._plan(offset, world, members)
+        if f is None:
+            if not self._pending:
+                self.dropped = self._available() - offset
+                self._done = True
+            return None
+        self._pending.append(f)
+        return f["items"][f["starts"][rank] : f["starts"][rank + 1]]  # type: ignore[no-any-return]
+
+    def _plan(self, offset: int, world: int, members: list[int]) -> dict[str, Any] | None:
+        """The next step after the first ``offset`` indices of the queue, or ``None`` when
+        fewer indices than ranks are left there."""
         avail = self._available() - offset
         b = self.batch_size
         if avail >= world * b:
@@ -142,20 +282,15 @@ class ElasticDistributedSampler:
             q, r = divmod(avail, world)
             sizes = [q + (1 if i < r else 0) for i in range(world)]
         else:
-            if not self._pending:
-                self.dropped = avail
-                self._done = True
             return None
-        starts = [sum(sizes[:i]) for i in range(world)]
-        items = self._take(offset, sum(sizes))
-        self._pending.append(
-            {
-                "n": sum(sizes),
-                "slots": [(members[i], starts[i], starts[i] + sizes[i]) for i in range(world)],
-                "items": items,
-            }
-        )
-        return items[starts[rank] : starts[rank] + sizes[rank]]
+        starts = [sum(sizes[:i]) for i in range(world + 1)]
+        return {
+            "n": starts[-1],
+            "slots": [(members[i], starts[i], starts[i + 1]) for i in range(world)],
+            "items": self._take(offset, starts[-1]),
+            "starts": starts,
+            "members": list(members),
+        }
 
     def on_step_committed(self, contributors: list[int]) -> None:
         """Consume the fetched steps; slots of non-contributors go back to the front."""
@@ -170,11 +305,14 @@ class ElasticDistributedSampler:
                     given_back.extend(f["items"][a:z])
             self.committed_steps += 1
         self._pending = []
+        if given_back:
+            self._invalidate()  # the queue's front moved under the batches planned ahead
         self._head = given_back + self._head
 
     def on_step_discarded(self) -> None:
         """The step in flight is discarded on every member: its fetch is forgotten."""
         self._pending = []
+        self._invalidate()
 
     def on_admission(self, joiners: list[int]) -> list[dict[str, Any]]:
         """Joiners take the slots after the existing ones in the step being fetched.
@@ -184,6 +322,7 @@ class ElasticDistributedSampler:
             fails.
         """
         saved = [{**f, "slots": list(f["slots"])} for f in self._pending]
+        self._invalidate()  # batches planned ahead are for the group without the joiners
         if not self._pending:
             return saved
         f = self._pending[-1]
@@ -198,6 +337,7 @@ class ElasticDistributedSampler:
     def on_admission_failed(self, saved: list[dict[str, Any]]) -> None:
         """Undo :meth:`on_admission` (the admission failed)."""
         self._pending = saved
+        self._invalidate()
 
     def admission_step(self, at: int, world: int, new_world: int, committed: int) -> int:
         """The first step at or after ``at`` where joiners get full slots: when the epoch
@@ -238,7 +378,7 @@ class ElasticDistributedSampler:
             self.shuffle,
         ):
             raise ConfigError(
-                "ElasticDistributedSampler.load_state_dict: the state is of a sampler with "
+                f"{type(self).__name__}.load_state_dict: the state is of a sampler with "
                 f"num_samples={state['num_samples']}, seed={state['seed']}, "
                 f"shuffle={state['shuffle']}; this one has {self.num_samples}, {self.seed}, "
                 f"{self.shuffle}"
@@ -251,7 +391,81 @@ class ElasticDistributedSampler:
         self.dropped = int(state["dropped"])
         self.committed_steps = int(state["committed_steps"])
         self._pending = []
+        self._invalidate()
         self._requested = max(self._requested, self._epoch)
+
+
+class ElasticDistributedSampler(ElasticBatchSampler):
+    """Deprecated name of :class:`ElasticBatchSampler` (it clashed with torch's
+    ``torch.distributed.elastic.utils.data.ElasticDistributedSampler``, a different,
+    ``sampler=``-style class)."""
+
+
+class ElasticDataLoader(DataLoader[Any]):
+    """A ``torch.utils.data.DataLoader`` over an :class:`ElasticBatchSampler` that may use
+    worker processes, prefetching and persistent workers under elastic training.
+
+    Takes DataLoader's arguments; ``batch_sampler`` is required. The loop never sees a batch
+    planned for a group that no longer holds: such batches (at most ``num_workers *
+    prefetch_factor`` per world change) are dropped when they arrive, and their samples
+    come again in later batches of the same epoch, so every sample of an epoch is still
+    trained exactly once.
+
+    Raises:
+        ConfigError: ``batch_sampler`` is not an :class:`ElasticBatchSampler`, or
+            ``in_order=False`` (batches must arrive in the order they were planned).
+    """
+
+    def __init__(self, dataset: Any, *, batch_sampler: ElasticBatchSampler, **kwargs: Any) -> None:
+        if not isinstance(batch_sampler, ElasticBatchSampler):
+            raise ConfigError(
+                "ElasticDataLoader needs batch_sampler=ElasticBatchSampler(...), got "
+                f"{type(batch_sampler).__name__}"
+            )
+        if kwargs.get("in_order", True) is not True:
+            raise ConfigError(
+                "ElasticDataLoader needs in_order=True: it matches each batch that arrives "
+                "with the plan it was made under, in order"
+            )
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self._rd_sampler = batch_sampler
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self._rd_sampler
+        sampler._track_next = True
+        try:
+            it = super().__iter__()
+        finally:
+            sampler._track_next = False
+        p = sampler._pass
+        assert p is not None
+        assert p.tracked
+        return _fresh(it, sampler, p)
+
+
+def _fresh(it: Iterator[Any], sampler: ElasticBatchSampler, p: _Pass) -> Iterator[Any]:
+    """The batches of ``it`` that the sampler still plans to train, in order."""
+    for k, batch in enumerate(it):
+        if sampler._deliver(p, k):
+            yield batch
+
+
+def _multiprocess_loader_caller() -> bool:
+    """Whether a torch DataLoader iterator with worker processes called ``iter()`` on the
+    sampler (it takes batches ahead of the steps)."""
+    from torch.utils.data import dataloader
+
+    cls = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+    if cls is None:
+        return False
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), cls):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _elastic() -> bool:
