@@ -3,6 +3,7 @@ checkpoint, in raise and shrink modes, and a fresh job that resumes from it."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -99,10 +100,23 @@ def resume(rank: int, path: str) -> Any:
     return {"loaded": loaded, "step": state["step"]}
 
 
-def shrink_listener(rank: int, culprit: int) -> Any:
+class _Records(logging.Handler):
+    """Keeps the rank each record of the library's logger carries."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.ranks: list[Any] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.ranks.append(getattr(record, "rank", None))
+
+
+def shrink_listener(rank: int, culprit: int, event_log: str) -> Any:
     """on_failure="shrink": the listener is called once per failure on the survivors,
-    before they recover; training goes on."""
-    rd.init_process_group("gloo", config=_cfg())
+    before they recover; training goes on. Events go to ``event_log`` ({rank} in it)."""
+    records = _Records()
+    logging.getLogger("resilient_ddp").addHandler(records)
+    rd.init_process_group("gloo", config=_cfg(event_log=event_log))
     model = rd.ResilientDDP(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     calls: list[dict[str, Any]] = []
@@ -125,4 +139,10 @@ def shrink_listener(rank: int, culprit: int) -> Any:
         opt.zero_grad()
     stats = model.resilience_stats
     rd.destroy_process_group()
-    return {"calls": calls, "world": stats["world_size"], "failures": stats["failures"]}
+    return {
+        "calls": calls,
+        "world": stats["world_size"],
+        "failures": stats["failures"],
+        "log_ranks": records.ranks,
+        "rank_after": stats["rank"],
+    }

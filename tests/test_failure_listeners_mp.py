@@ -5,9 +5,13 @@ that checkpoint bit for bit."""
 
 from __future__ import annotations
 
+import json
+import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import resilient_ddp as rd
 from resilient_ddp import _runtime
@@ -54,10 +58,32 @@ def test_an_emergency_checkpoint_saved_when_rank_0_fails_resumes_bitwise(tmp_pat
         assert v["step"] == w.FAULT_STEP, (r, v)
 
 
-def test_under_shrink_the_listener_runs_once_per_failure_before_recovery() -> None:
+def test_under_shrink_the_listener_runs_once_per_failure_before_recovery(
+    tmp_path: Path,
+) -> None:
     culprit = 2
-    values = _run(w.shrink_listener, 4, culprit, ranks=[0, 1, 3])
+    event_log = str(tmp_path / "events-{rank}.jsonl")
+    values = _run(w.shrink_listener, 4, culprit, event_log, ranks=[0, 1, 3])
     for r, v in values.items():
+        # The JSON-lines event file of this rank (its rank when the job started): the
+        # failure, then the shrink, each a record with the job, rank and generation.
+        lines = (tmp_path / f"events-{r}.jsonl").read_text().splitlines()
+        events = [json.loads(line) for line in lines]
+        assert [e["kind"] for e in events] == ["failure", "shrink"], events
+        failure, shrink = events
+        assert failure["ranks"] == [culprit], failure
+        assert failure["rank"] == r, failure
+        assert failure["generation"] == 0, failure
+        assert shrink["world_size_before"] == 4, shrink
+        assert shrink["world_size"] == 3, shrink
+        assert shrink["outcome"] in {"redo", "skip", "continue"}, shrink
+        assert [c["rank"] for c in shrink["culprits"]] == [culprit], shrink
+        assert shrink["rank"] == v["rank_after"], shrink
+        assert failure["job"] == shrink["job"], events
+        assert failure["job"], failure
+        # Log records carry the rank (the shrink's warning, written after the recovery).
+        assert v["log_ranks"], v
+        assert v["log_ranks"][-1] == v["rank_after"], v
         assert v["world"] == 3, (r, v)
         assert v["failures"] == 1, (r, v)
         assert len(v["calls"]) == 1, (r, v["calls"])
@@ -75,3 +101,9 @@ def test_a_listener_handle_removes_it() -> None:
     assert fn in _runtime._failure_listeners.values()
     handle.remove()
     assert fn not in _runtime._failure_listeners.values()
+
+
+def test_log_records_say_which_rank_wrote_them(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="resilient_ddp"):
+        logging.getLogger("resilient_ddp").warning("no process group here")
+    assert caplog.records[-1].rank == "-"  # type: ignore[attr-defined]

@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _control as ctl
 from . import _diagnosis as dg
+from . import _events
 from .config import ResilienceConfig
 from .errors import (
     CollectiveMismatchError,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # the runtime's features; they import this module
 __all__ = ["add_failure_listener"]
 
 log = logging.getLogger("resilient_ddp")
+_events.install_rank_filter()  # every record of the logger says which rank wrote it
 
 # The phase a rank shows in its heartbeat while it recovers from a failure (elastic.py).
 RECOVERY_PHASE = "recovery"
@@ -201,6 +203,7 @@ class Runtime:
         self.raised = False  # this rank raised a failure error: its departure is a consequence
         # The failure listeners were called for the current failure (see notify_failure).
         self.failure_notified = False
+        self.event_path: str | None = None  # this process's event file (see _events)
         # The peers' verdict on this rank, raised in its main thread (see tell_main).
         self.told_error: RankFailureError | None = None
         self.told_at = 0.0  # time.monotonic() when the main thread was signalled
@@ -575,6 +578,16 @@ class Runtime:
         if self.failure_notified:
             return error
         self.failure_notified = True
+        lines = str(error).splitlines()
+        _events.record(
+            self,
+            "failure",
+            error=type(error).__name__,
+            ranks=list(error.ranks),
+            op=error.op,
+            seq=error.seq,
+            message=lines[0] if lines else "",
+        )
         for fn in list(_failure_listeners.values()):
             try:
                 fn(error)

@@ -113,6 +113,11 @@ class ResilienceConfig(_Model):
             identical, the failed step redone or skipped) and admits replacements.
         min_world_size: With ``on_failure="shrink"``, the fewest ranks training may go on
             with (default 1); below it every survivor raises :class:`RankFailureError`.
+        event_log: Path of a JSON-lines file to which each rank appends the job's
+            resilience events (failure, shrink, join, straggler), one object per line;
+            ``{rank}`` in the path is replaced by the rank of the process's first event
+            (a process keeps its file when elastic training renumbers the ranks).
+            Default: none.
     """
 
     op_timeout: timedelta = timedelta(seconds=60)
@@ -128,6 +133,7 @@ class ResilienceConfig(_Model):
     straggler_interval: timedelta = timedelta(seconds=10)
     on_failure: Literal["raise", "shrink"] = "raise"
     min_world_size: int = Field(default=1, ge=1)
+    event_log: str | None = None
 
     @field_validator(
         "op_timeout",

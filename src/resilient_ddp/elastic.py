@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from . import _control as ctl
 from . import _elastic_protocol as proto
+from . import _events
 from ._elastic_protocol import ElasticParticipant
 from ._runtime import RECOVERY_PHASE, Runtime, phase
 from .errors import ControlPlaneError, RankFailureError
@@ -359,6 +360,7 @@ def _record_shrink(
         "recovery_s": round(took, 4),
     }
     el.events.append(event)
+    _events.record(rt, "shrink", **{k: v for k, v in event.items() if k not in ("t", "kind")})
     el.note_world(rt, "shrink")
     who = ", ".join(f"rank {c.rank} ({c.what})" for c in culprits) or "a peer"
     log.warning(
@@ -695,18 +697,15 @@ def maybe_admit(
     _publish_members(rt, gen_from, before)
     el.join_seen = jobs.join_count() > el.joins_seen
     took = time.monotonic() - t0
-    el.events.append(
-        {
-            "t": time.time(),
-            "kind": "join",
-            "joiners": grow["joiners"],
-            "generation": rt.generation,
-            "world_size_before": before,
-            "world_size": rt.world_size,
-            "step": el.committed,
-            "admission_s": round(took, 4),
-        }
-    )
+    fields = {
+        "joiners": grow["joiners"],
+        "world_size_before": before,
+        "world_size": rt.world_size,
+        "step": el.committed,
+        "admission_s": round(took, 4),
+    }
+    el.events.append({"t": time.time(), "kind": "join", "generation": rt.generation, **fields})
+    _events.record(rt, "join", **fields)
     el.note_world(rt, "join")
     log.warning(
         "resilient_ddp: %d process(es) joined at step %d; %d rank(s) now (was %d), "
@@ -959,6 +958,7 @@ def _admit(
         el.committed = int(state["committed"])
         el.history = list(state.get("history", []))
         el.note_world(rt, "join")
+        _events.record(rt, "joined", world_size=rt.world_size, step=el.committed, uid=uid)
         return rt, state, None
     _runtime.set_current(None)
     if rt.watchdog is not None:

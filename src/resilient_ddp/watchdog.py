@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from . import _control as ctl
+from . import _events
 from ._runtime import Runtime, qualname
 from .errors import ControlPlaneError, Culprit
 
@@ -433,6 +434,13 @@ class Watchdog(threading.Thread):
             streak = self._slow_streak.get(r, 0) + 1 if r in report["stragglers"] else 0
             self._slow_streak[r] = streak
             if streak == _STRAGGLER_STREAK:
+                _events.record(
+                    self.rt,
+                    "straggler",
+                    straggler=r,
+                    compute_ms=round(1000 * report["compute_s"][r], 3),
+                    median_ms=round(1000 * report["median_s"], 3),
+                )
                 log.warning(
                     "rank %d is a straggler: median step compute %.1f ms vs %.1f ms for the "
                     "group (more than %d%% slower on %d checks in a row)",
