@@ -57,6 +57,16 @@ __all__ = ["ResilientDDP", "make_resilient"]
 log = logging.getLogger("resilient_ddp")
 
 _optimizer_hooks_installed = False
+# The live models: an optimizer is the library's business only when it steps parameters of
+# one of them (see _install_optimizer_hooks).
+_live_models: weakref.WeakSet[ResilientDDP] = weakref.WeakSet()
+# Bumped whenever a model registers or goes, which invalidates every cached scope.
+_models_version = 0
+# Per optimizer, whether it is in scope, with the models version and the number of its
+# parameter groups (add_param_group) it was decided for.
+_optimizer_scope: weakref.WeakKeyDictionary[Any, tuple[int, int, bool]] = (
+    weakref.WeakKeyDictionary()
+)
 # Models whose step ended with a synchronised backward pass; the optimizer step that follows
 # publishes their new step count (see ResilientDDP._rd_publish_step).
 _ended_steps: weakref.WeakSet[ResilientDDP] = weakref.WeakSet()
@@ -119,6 +129,14 @@ class ResilientDDP(DistributedDataParallel):
     (``copy.deepcopy``, pickling) goes on from the original's count. With
     ``on_failure="shrink"`` it is the job's count of committed steps, which survivors and
     joiners share.
+
+    **Optimizers.** The library acts on the steps of the optimizers over the model's
+    parameters only (an optimizer is one of them when at least one of its parameters is a
+    parameter of a live ``ResilientDDP``): their steps mark the "optimizer" and "data"
+    phases and end the step, and with ``on_failure="shrink"`` their state is sent to
+    survivors and joiners and a discarded step is a no-op for them, as a whole (an
+    optimizer over the model and other parameters skips the step for all of them). Other
+    optimizers (an EMA, a discriminator or a probe trained locally) are left alone.
 
     **Copies.** ``copy.deepcopy(model)``, ``pickle`` and ``torch.save(model)`` /
     ``torch.load(..., weights_only=False)`` behave as on DDP: the default process group is
@@ -187,6 +205,7 @@ class ResilientDDP(DistributedDataParallel):
         # keep this model alive through its own reducer.
         DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
         _install_optimizer_hooks()
+        _register_model(self)
         _group_users.add(self)  # its reducer holds its group (see release_retired)
 
     def __del__(self) -> None:
@@ -1030,8 +1049,51 @@ def _settle(fut: torch.futures.Future[torch.Tensor], value: torch.Tensor) -> Non
 
 
 # -- phases from the optimizer -----------------------------------------------------------------
+def _register_model(model: ResilientDDP) -> None:
+    """Count ``model``'s parameters in the optimizer hooks' scope while it lives."""
+    global _models_version
+    if model in _live_models:
+        return
+    _live_models.add(model)
+    _models_version += 1
+    weakref.finalize(model, _model_gone).atexit = False
+
+
+def _model_gone() -> None:
+    global _models_version
+    _models_version += 1
+
+
+def _in_scope(opt: Any) -> bool:
+    """Whether ``opt`` steps at least one parameter of a live :class:`ResilientDDP`.
+
+    Decided once per optimizer and cached (a dictionary lookup per step); decided again
+    when a model registers or goes, or when the optimizer's number of parameter groups
+    changes (``add_param_group``). An optimizer over the model's parameters and others
+    (a head, a loss-scale parameter) is in scope as a whole.
+    """
+    groups = getattr(opt, "param_groups", ())
+    cached = _optimizer_scope.get(opt)
+    if cached is not None and cached[0] == _models_version and cached[1] == len(groups):
+        return cached[2]
+    version = _models_version
+    ours_ids = {id(p) for m in list(_live_models) for p in m.parameters()}
+    ours = any(id(p) in ours_ids for g in groups for p in g["params"])
+    _optimizer_scope[opt] = (version, len(groups), ours)
+    return ours
+
+
 def _install_optimizer_hooks() -> None:
-    """Global optimizer hooks that mark the "optimizer" and "data" phases."""
+    """Install the global optimizer step hooks (once per process), which act only on the
+    optimizers over a live model's parameters (see :func:`_in_scope`).
+
+    For such an optimizer, the pre-step hook marks the "optimizer" phase and, with
+    ``on_failure="shrink"``, runs :func:`_elastic_pre_step`; the post-step hook marks the
+    "data" phase and publishes the step count of the models whose step just ended. Any
+    other optimizer (an EMA, a discriminator trained locally, a probe) is left alone: its
+    steps mark no phase, its state is not sent to survivors or joiners, and a discarded
+    step does not touch its gradients.
+    """
     global _optimizer_hooks_installed
     if _optimizer_hooks_installed:
         return
@@ -1042,14 +1104,14 @@ def _install_optimizer_hooks() -> None:
 
     def pre(opt: Any, args: Any, kwargs: Any) -> None:
         rt = _runtime.current()
-        if rt is not None:
+        if rt is not None and _in_scope(opt):
             rt.phase = "optimizer"
             if rt.elastic is not None:
                 _elastic_pre_step(rt.elastic, opt)
 
     def post(opt: Any, args: Any, kwargs: Any) -> None:
         rt = _runtime.current()
-        if rt is not None:
+        if rt is not None and _in_scope(opt):
             rt.phase = "data"
             for model in list(_ended_steps):
                 model._rd_publish_step(rt)
@@ -1060,9 +1122,15 @@ def _install_optimizer_hooks() -> None:
 
 
 def _elastic_pre_step(el: Any, opt: Any) -> None:
-    """Track the optimizers (their state moves with the model), load state received for
-    them, and turn a discarded step into a no-op (optimizers skip parameters without a
-    gradient, so neither parameters nor their state change)."""
+    """Prepare a step of ``opt``, an optimizer over the model's parameters (see
+    :func:`_in_scope`), with ``on_failure="shrink"``.
+
+    Tracks it (its state moves with the model to survivors and joiners), loads the state
+    received for it, and turns a discarded step into a no-op: optimizers skip parameters
+    without a gradient, so neither parameters nor their state change. The whole step is
+    skipped, including the parameters of ``opt`` outside the model, whose gradients came
+    from the discarded step too.
+    """
     optimizers = elastic.live(el.optimizers)
     if not any(o is opt for o in optimizers):
         el.optimizers.append(weakref.ref(opt))
