@@ -87,7 +87,9 @@ def test_prefetching_workers_through_a_kill_a_raise_and_a_fault_mid_prefetch(
         # Failed 1 run of 1: a joiner's persistent DataLoader, resuming for an epoch it
         # skips, waited > op_timeout for its freshly forked workers; the members removed
         # it and the group fell below min_world_size. Under investigation.
-        pytest.param("kill", marks=pytest.mark.xfail(reason="joiner's worker resume stall")),
+        pytest.param(
+            "kill", marks=pytest.mark.xfail(strict=False, reason="joiner's worker resume stall")
+        ),
         "raise",
     ],
 )
