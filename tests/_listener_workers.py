@@ -3,7 +3,9 @@ checkpoint, in raise and shrink modes, and a fresh job that resumes from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -145,4 +147,51 @@ def shrink_listener(rank: int, culprit: int, event_log: str) -> Any:
         "failures": stats["failures"],
         "log_ranks": records.ranks,
         "rank_after": stats["rank"],
+    }
+
+
+BASE_LR = 0.08
+TOTAL_STEPS = 24
+KILL_AT = 5
+
+
+def world_size_listener(rank: int) -> Any:
+    """Elastic training, 4 ranks: member 2 dies at step KILL_AT and a replacement joins. A
+    world-size listener rescales the learning rate (the linear scaling rule) on every
+    process, the joiner included; each records the changes it saw and (step, world, lr)
+    after every step."""
+    rd.init_process_group("gloo", config=_cfg())
+    uid = int(os.environ.get("RESILIENT_DDP_UID", rank))
+    joiner = os.environ.get("RESILIENT_DDP_JOINER", "") not in ("", "0")
+    model = rd.ResilientDDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=BASE_LR)
+    changes: list[dict[str, Any]] = []
+
+    def rescale(change: rd.WorldSizeChange) -> None:
+        changes.append(dataclasses.asdict(change))
+        for group in opt.param_groups:
+            group["lr"] = BASE_LR * change.new_world_size / change.initial_world_size
+
+    rd.add_world_size_listener(rescale)
+    seen: list[tuple[int, int, float]] = []
+    stats = model.resilience_stats
+    while stats["step"] < TOTAL_STEPS:
+        if uid == 2 and not joiner and stats["step"] == KILL_AT:
+            kill_self()
+        g = torch.Generator().manual_seed(100 * stats["step"] + stats["rank"])
+        x = torch.randn(4, 4, generator=g)
+        loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = model.resilience_stats
+        seen.append((stats["step"], stats["world_size"], opt.param_groups[0]["lr"]))
+    rd.destroy_process_group()
+    return {
+        "uid": uid,
+        "joiner": joiner,
+        "changes": changes,
+        "seen": seen,
+        "hash": state_hash(model.module, opt),
+        "lr": opt.param_groups[0]["lr"],
     }

@@ -107,3 +107,26 @@ def test_log_records_say_which_rank_wrote_them(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.WARNING, logger="resilient_ddp"):
         logging.getLogger("resilient_ddp").warning("no process group here")
     assert caplog.records[-1].rank == "-"  # type: ignore[attr-defined]
+
+
+def test_a_world_size_listener_rescales_the_learning_rate_on_every_process() -> None:
+    """Member 2 of 4 dies at step 5 and a replacement joins: the survivors see the shrink
+    (4 -> 3) and the admission (3 -> 4), the joiner the admission; each sets the learning
+    rate from the change before the next step, so every process trains every step with
+    the same rate (0.75 of the base while 3 train) and ends in the same state."""
+    outcomes = run_ranks(w.world_size_listener, 4, (), timeout=timedelta(seconds=60), restarts=1)
+    report = format_outcomes(outcomes)
+    finals = [o.value for o in outcomes if o.exitcode == 0 and o.value]
+    assert len(finals) == 4, report
+    assert [o.rank for o in outcomes if o.previous] == [2], report
+    for v in finals:
+        kinds = [(c["reason"], c["old_world_size"], c["new_world_size"]) for c in v["changes"]]
+        if v["joiner"]:
+            assert kinds == [("join", 3, 4)], (v["uid"], v["changes"])
+        else:
+            assert kinds == [("shrink", 4, 3), ("join", 3, 4)], (v["uid"], v["changes"])
+        assert all(c["initial_world_size"] == 4 for c in v["changes"]), v["changes"]
+        for step, world, lr in v["seen"]:
+            assert lr == w.BASE_LR * world / 4, (v["uid"], step, world, lr)
+        assert v["lr"] == w.BASE_LR, v
+    assert len({v["hash"] for v in finals}) == 1, [v["hash"] for v in finals]

@@ -19,7 +19,12 @@ from .collectives import (
 )
 from .config import ResilienceConfig, RetryPolicy, get_config, set_config
 from .ddp import ResilientDDP, make_resilient
-from .elastic import ElasticParticipant, register_elastic_participant
+from .elastic import (
+    ElasticParticipant,
+    WorldSizeChange,
+    add_world_size_listener,
+    register_elastic_participant,
+)
 from .elastic_sampler import ElasticDistributedSampler
 from .errors import (
     CollectiveMismatchError,
@@ -62,8 +67,10 @@ __all__ = [
     "RetryBudgetExhaustedError",
     "RetryPolicy",
     "SpawnError",
+    "WorldSizeChange",
     "__version__",
     "add_failure_listener",
+    "add_world_size_listener",
     "all_gather",
     "all_gather_object",
     "all_reduce",

@@ -1140,6 +1140,9 @@ def _elastic_pre_step(el: Any, opt: Any) -> None:
     if pending is not None and index < len(pending) and pending[index] is not None:
         opt.load_state_dict(pending[index])
         pending[index] = None
+    if el.world_changes:
+        # After the state load: what a listener sets (a learning rate) applies to this step.
+        el.deliver_world_changes()
     if el.skip_step:
         for group in opt.param_groups:
             for p in group["params"]:

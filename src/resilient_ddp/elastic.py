@@ -46,12 +46,14 @@ import os
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from . import _control as ctl
 from . import _elastic_protocol as proto
@@ -98,9 +100,22 @@ class Elastic:
     history: list[dict[str, Any]] = field(default_factory=list)
     redone: int = 0
     skipped: int = 0
+    # World-size changes not yet given to the listeners (delivered before the next step).
+    world_changes: list[WorldSizeChange] = field(default_factory=list)
     # Generations this process was a member of whose keys are still in the store:
     # (generation, world size, request counts it acknowledged there)
     past: list[tuple[int, int, set[int]]] = field(default_factory=list)
+
+    def deliver_world_changes(self) -> None:
+        """Give the queued world-size changes to the listeners, in order (the training
+        thread, before an optimizer step over the model). A listener's exception is logged."""
+        changes, self.world_changes = self.world_changes, []
+        for change in changes:
+            for fn in list(_world_size_listeners.values()):
+                try:
+                    fn(change)
+                except Exception:
+                    log.exception("rank %d: a world-size listener raised; going on", change.rank)
 
     # -- samplers ----------------------------------------------------------------------------
     def live_samplers(self) -> list[Any]:
@@ -117,7 +132,21 @@ class Elastic:
         for s in self.live_samplers():
             s.on_step_discarded()
 
-    def note_world(self, rt: Runtime, why: str) -> None:
+    def note_world(self, rt: Runtime, why: str, before: int | None = None) -> None:
+        """Record the world after a change (``why``: start, shrink, join); with ``before``,
+        the world size before it, queue the change for the world-size listeners."""
+        if before is not None and self.history:
+            self.world_changes.append(
+                WorldSizeChange(
+                    old_world_size=before,
+                    new_world_size=rt.world_size,
+                    initial_world_size=int(self.history[0]["world_size"]),
+                    step=self.committed,
+                    generation=rt.generation,
+                    rank=rt.rank,
+                    reason="shrink" if why == "shrink" else "join",
+                )
+            )
         self.history.append(
             {
                 "t": time.time(),
@@ -128,6 +157,72 @@ class Elastic:
                 "why": why,
             }
         )
+
+
+@dataclass(frozen=True)
+class WorldSizeChange:
+    """A change of the job's world size under elastic training, as a listener sees it
+    (:func:`add_world_size_listener`).
+
+    Attributes:
+        old_world_size: Ranks before the change.
+        new_world_size: Ranks after it (this process is one of them).
+        initial_world_size: Ranks the job started with.
+        step: Steps committed when the change took effect (the next step trains with
+            ``new_world_size`` ranks).
+        generation: The process group's generation after the change.
+        rank: This process's rank after the change.
+        reason: ``"shrink"`` (ranks failed) or ``"join"`` (replacements were admitted).
+    """
+
+    old_world_size: int
+    new_world_size: int
+    initial_world_size: int
+    step: int
+    generation: int
+    rank: int
+    reason: Literal["shrink", "join"]
+
+
+_world_size_listeners: OrderedDict[int, Callable[[WorldSizeChange], object]] = OrderedDict()
+
+
+def add_world_size_listener(fn: Callable[[WorldSizeChange], object]) -> RemovableHandle:
+    """Call ``fn(change)`` on every process of the job when the world size changes under
+    elastic training (``on_failure="shrink"``): after a shrink and after an admission, on
+    the survivors and members and on the joiners alike.
+
+    By default nothing else changes with the world: each rank keeps its batch size, so
+    the global batch shrinks with the world (and grows back when replacements join), and
+    so does the effective learning rate per sample. ``fn`` is the place to react, e.g. to
+    rescale the learning rate (the linear scaling rule)::
+
+        base_lr = 0.1
+
+
+        def rescale(change: rd.WorldSizeChange) -> None:
+            for group in optimizer.param_groups:
+                group["lr"] = base_lr * change.new_world_size / change.initial_world_size
+
+
+        rd.add_world_size_listener(rescale)
+
+    ``fn`` runs on the training thread just before the next ``step()`` of an optimizer over
+    the model's parameters, once per change (several changes before one step: in order),
+    after a joiner's optimizer received the members' state: a parameter-group change made
+    there applies to that step on every rank alike. Set values from the change (as above),
+    not relative to the current ones: a joiner loads the members' values from before the
+    change. Without elastic training it is never called.
+
+    Args:
+        fn: Called with a :class:`WorldSizeChange`; its return value is ignored.
+
+    Returns:
+        A handle whose ``remove()`` takes the listener off again.
+    """
+    handle = RemovableHandle(_world_size_listeners)
+    _world_size_listeners[handle.id] = fn
+    return handle
 
 
 def register_elastic_participant(obj: ElasticParticipant) -> None:
@@ -361,7 +456,7 @@ def _record_shrink(
     }
     el.events.append(event)
     _events.record(rt, "shrink", **{k: v for k, v in event.items() if k not in ("t", "kind")})
-    el.note_world(rt, "shrink")
+    el.note_world(rt, "shrink", before=before["world_size"])
     who = ", ".join(f"rank {c.rank} ({c.what})" for c in culprits) or "a peer"
     log.warning(
         "resilient_ddp: %s failed at step %d; going on with %d rank(s) (was %d) as "
@@ -706,7 +801,7 @@ def maybe_admit(
     }
     el.events.append({"t": time.time(), "kind": "join", "generation": rt.generation, **fields})
     _events.record(rt, "join", **fields)
-    el.note_world(rt, "join")
+    el.note_world(rt, "join", before=before)
     log.warning(
         "resilient_ddp: %d process(es) joined at step %d; %d rank(s) now (was %d), "
         "generation %d; admitted in %.2f s",
@@ -957,7 +1052,7 @@ def _admit(
         el.received = state
         el.committed = int(state["committed"])
         el.history = list(state.get("history", []))
-        el.note_world(rt, "join")
+        el.note_world(rt, "join", before=n_old)
         _events.record(rt, "joined", world_size=rt.world_size, step=el.committed, uid=uid)
         return rt, state, None
     _runtime.set_current(None)
