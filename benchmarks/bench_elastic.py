@@ -3,7 +3,7 @@
 Three measurements, each in its own launch:
 
 * **recovery**: 4 gloo ranks on CPU train a small MLP (``rd.ResilientDDP``,
-  ``rd.ElasticDistributedSampler``) under ``rd.testing.run_ranks(..., restarts=N)``. One
+  ``rd.ElasticBatchSampler``) under ``rd.testing.run_ranks(..., restarts=N)``. One
   fault at a time, each once the previous replacement joined and the world is whole
   again: a rank other than rank 0 fails after its forward pass, either killed by SIGKILL
   (``kill``) or raising an exception that ends its process (``raise``); kinds alternate.
@@ -236,7 +236,7 @@ def fault_worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     init_done = time.time()
     model = rd.ResilientDDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    sampler = rd.ElasticDistributedSampler(N_SAMPLES, batch, seed=0)
+    sampler = rd.ElasticBatchSampler(N_SAMPLES, batch, seed=0)
     recorder = _Recorder(events, model.resilience_stats, uid, joiner)
     admitted = _last(model.resilience_stats["events"], "admitted") if joiner else None
     recorder.joiner_times = {

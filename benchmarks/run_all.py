@@ -696,7 +696,7 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
         f"`rd.ResilienceConfig(on_failure='shrink', min_world_size={cfg.get('min_world_size')}, "
         f"heartbeat_interval={cfg.get('heartbeat_interval_s')} s, heartbeat_timeout="
         f"{cfg.get('heartbeat_timeout_s')} s, op_timeout={cfg.get('op_timeout_s')} s)`, "
-        "`rd.ResilientDDP`, `rd.ElasticDistributedSampler` and "
+        "`rd.ResilientDDP`, `rd.ElasticBatchSampler` and "
         f"{setup.get('optimizer', 'SGD')}, launched by `resilient_ddp.testing.run_ranks(..., "
         "restarts=N)`, which replaces a failed process by a joiner. One fault at a time: "
         f"from step {setup.get('first_fault_step', '?')}, and {setup.get('gap_steps', '?')} "

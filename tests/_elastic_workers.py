@@ -104,7 +104,7 @@ def train(  # noqa: PLR0915 - one loop with its fault points
     el_uid = int(os.environ.get("RESILIENT_DDP_UID", rank))
     model = rd.ResilientDDP(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sampler = rd.ElasticDistributedSampler(N_SAMPLES, BATCH, seed=3)
+    sampler = rd.ElasticBatchSampler(N_SAMPLES, BATCH, seed=3)
     x_all, y_all = _data()
     log_path = os.path.join(out_dir, f"{os.getpid()}.jsonl")
     # A fault fires at the first step at or after its "step" that this process reaches (a

@@ -27,7 +27,7 @@ from resilient_ddp._elastic_protocol import (
     pending_joiners,
     should_decide,
 )
-from resilient_ddp.elastic_sampler import ElasticDistributedSampler
+from resilient_ddp.elastic_sampler import ElasticBatchSampler
 
 NEXT_GEN = 7
 
@@ -583,7 +583,7 @@ def test_proposal_json_round_trip() -> None:
 def _sampler(pos: int | None) -> Callable[[int, int, int, int], int]:
     """The real sampler's step rule: 100 samples, batch 4, unshuffled, ``pos`` consumed
     (``None``: no epoch started yet)."""
-    s = ElasticDistributedSampler(100, 4, shuffle=False)
+    s = ElasticBatchSampler(100, 4, shuffle=False)
     if pos is not None:
         s._start(0)
         s._pos = pos

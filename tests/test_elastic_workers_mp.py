@@ -86,9 +86,11 @@ def test_prefetching_workers_through_a_kill_a_raise_and_a_fault_mid_prefetch(
     [
         # Failed 1 run of 1: a joiner's persistent DataLoader, resuming for an epoch it
         # skips, waited > op_timeout for its freshly forked workers; the members removed
-        # it and the group fell below min_world_size. Under investigation.
+        # it and the group fell below min_world_size. A known bug, not yet fixed (issue 17
+        # stays open): skipped rather than left to fail or pass by chance.
         pytest.param(
-            "kill", marks=pytest.mark.xfail(strict=False, reason="joiner's worker resume stall")
+            "kill",
+            marks=pytest.mark.skip(reason="known bug: a joiner's DataLoader workers stall"),
         ),
         "raise",
     ],
@@ -165,5 +167,8 @@ def test_configurations_that_cannot_work_are_refused(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_the_old_name_is_an_alias() -> None:
+def test_the_old_name_is_a_deprecated_alias() -> None:
     assert issubclass(ElasticDistributedSampler, ElasticBatchSampler)
+    with pytest.warns(FutureWarning, match="use resilient_ddp.ElasticBatchSampler"):
+        old = ElasticDistributedSampler(10, 2, shuffle=False)
+    assert list(old) == list(ElasticBatchSampler(10, 2, shuffle=False))

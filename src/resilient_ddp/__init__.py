@@ -25,7 +25,7 @@ from .elastic import (
     add_world_size_listener,
     register_elastic_participant,
 )
-from .elastic_sampler import ElasticDistributedSampler
+from .elastic_sampler import ElasticBatchSampler, ElasticDataLoader, ElasticDistributedSampler
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -55,6 +55,8 @@ __all__ = [
     "ConfigError",
     "ControlPlaneError",
     "Culprit",
+    "ElasticBatchSampler",
+    "ElasticDataLoader",
     "ElasticDistributedSampler",
     "ElasticParticipant",
     "LockstepBatchSampler",

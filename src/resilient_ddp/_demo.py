@@ -308,7 +308,7 @@ def _elastic_worker(rank: int, args: dict[str, Any], out_dir: str) -> dict[str, 
     first_loss = full_loss()  # a joiner's model then receives the job's state
     model = rd.ResilientDDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-    sampler = rd.ElasticDistributedSampler(ELASTIC_SAMPLES, ELASTIC_BATCH, seed=0)
+    sampler = rd.ElasticBatchSampler(ELASTIC_SAMPLES, ELASTIC_BATCH, seed=0)
     fault_due = rank == args["rank"] and not joiner and args["fault"] != "none"
     world, epoch, done = model.resilience_stats["world_size"], 0, False
     while not done:

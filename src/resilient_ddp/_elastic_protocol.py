@@ -51,7 +51,7 @@ _OUTCOMES: tuple[str, ...] = ("redo", "continue", "skip")
 @runtime_checkable
 class ElasticParticipant(Protocol):
     """An object whose state follows the job's committed steps, as a data sampler's
-    position does (:class:`resilient_ddp.ElasticDistributedSampler` is one).
+    position does (:class:`resilient_ddp.ElasticBatchSampler` is one).
 
     Register one with :func:`resilient_ddp.register_elastic_participant` on every rank, in
     the same order. Elastic training (``on_failure="shrink"``) then calls, on the training

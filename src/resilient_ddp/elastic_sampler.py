@@ -33,6 +33,7 @@ it.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator, Sized
 from types import FrameType
 from typing import Any
@@ -398,7 +399,17 @@ class ElasticBatchSampler:
 class ElasticDistributedSampler(ElasticBatchSampler):
     """Deprecated name of :class:`ElasticBatchSampler` (it clashed with torch's
     ``torch.distributed.elastic.utils.data.ElasticDistributedSampler``, a different,
-    ``sampler=``-style class)."""
+    ``sampler=``-style class). Same arguments; constructing it warns (``FutureWarning``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "ElasticDistributedSampler is deprecated (it clashes with torch's "
+            "torch.distributed.elastic.utils.data.ElasticDistributedSampler): use "
+            "resilient_ddp.ElasticBatchSampler, which takes the same arguments",
+            FutureWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)
 
 
 class ElasticDataLoader(DataLoader[Any]):
