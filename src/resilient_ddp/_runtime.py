@@ -985,9 +985,18 @@ def set_current(rt: Runtime | None) -> None:
     _runtime = rt
 
 
+# The main thread is in the excepthook: the process dies of an uncaught exception, which it
+# is reporting (to the peers, to torchrun's error file, on stderr). A launcher's SIGTERM
+# then must not raise another error into the hook (which would end it before the error
+# file is written: seen as torchrun's bare "To enable traceback" for that rank).
+_dying = False
+
+
 def _excepthook(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
+    global _dying
+    _dying = True
     rt = _runtime
     if rt is not None:
         _report_dying(rt, exc, tb, to_peers=not issubclass(exc_type, KeyboardInterrupt))
@@ -1217,6 +1226,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     soon as one rank fails): raise the failure this rank knows of, naming the culprit,
     instead of dying silently. Without a known failure, die by the signal as before."""
     rt = _runtime
+    if _dying:
+        return  # reporting the exception it dies of; the exit follows (see _dying)
     if rt is not None:
         if rt.lingering:
             return  # the store host serves the verdict to the last peers (bounded), then exits
