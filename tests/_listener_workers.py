@@ -35,6 +35,17 @@ def _survivor(rank: int, world: int, error: rd.RankFailureError) -> int:
     return min(r for r in range(world) if r not in error.ranks)
 
 
+def _train(rank: int, culprit: int, model: Any, opt: torch.optim.Optimizer) -> None:
+    """STEPS steps of this rank's data; rank ``culprit`` is killed at step FAULT_STEP."""
+    for step, (x, y) in enumerate(batches(rank, STEPS)):
+        if rank == culprit and step == FAULT_STEP:
+            kill_self()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def emergency_checkpoint(rank: int, culprit: int, path: str, cfg: dict[str, Any]) -> Any:
     """Train until rank ``culprit`` is killed at step FAULT_STEP; a listener on every rank
     records the call, and the lowest surviving rank saves model, optimizer and step."""
@@ -66,13 +77,7 @@ def emergency_checkpoint(rank: int, culprit: int, path: str, cfg: dict[str, Any]
     rd.add_failure_listener(save)
     rd.add_failure_listener(broken)  # logged; must not hide the failure
     try:
-        for step, (x, y) in enumerate(batches(rank, STEPS)):
-            if rank == culprit and step == FAULT_STEP:
-                kill_self()
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        _train(rank, culprit, model, opt)
     except rd.RankFailureError as e:
         return {
             "raised": type(e).__name__,
@@ -132,13 +137,7 @@ def shrink_listener(rank: int, culprit: int, event_log: str) -> Any:
             }
         )
     )
-    for step, (x, y) in enumerate(batches(rank, STEPS)):
-        if rank == culprit and step == FAULT_STEP:
-            kill_self()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    _train(rank, culprit, model, opt)
     stats = model.resilience_stats
     rd.destroy_process_group()
     return {
