@@ -440,6 +440,17 @@ def rejoin_trials(
         # The joiner is ready once it asked to join (its start-up is done); before that,
         # rd.init_process_group prepares it (imports torch._dynamo) while the members train.
         requested = j.get("requested") or j["init_start"]
+        # In steps: how many steps the members completed from the request to the step
+        # before the joiner's first, the one in flight when it asked included (ideal: 1).
+        waited = None
+        if members:
+            done = [
+                e["step"]
+                for e in events[members[0]["pid"]]
+                if e["event"] == "step" and e["at"] <= requested
+            ]
+            if done:
+                waited = j["step"] - 1 - max(done)
         trial = {
             "index": j["index"],
             "ready_to_first_step_s": round(j["first_step"] - requested, 4),
@@ -454,6 +465,7 @@ def rejoin_trials(
             "member_admission_step_s": round(max(stall), 4) if stall else None,
             "member_median_step_s": round(statistics.median(typical), 4) if typical else None,
             "step": j["step"],
+            "steps_waited": waited,
         }
         if j.get("proc_start") is not None:
             trial["process_start_s"] = round(j["init_start"] - j["proc_start"], 3)
@@ -471,6 +483,11 @@ def rejoin_row(trials: list[dict[str, Any]], model: tuple[Any, ...]) -> dict[str
         "model": model[0],
         "trials": len(trials),
         "median_s": med("ready_to_first_step_s"),
+        "median_steps_waited": med("steps_waited"),
+        "max_steps_waited": max(
+            (t["steps_waited"] for t in trials if t.get("steps_waited") is not None),
+            default=None,
+        ),
         "max_s": max((t["ready_to_first_step_s"] for t in trials), default=None),
         "median_init_s": med("init_s"),
         "median_init_to_first_step_s": med("init_to_first_step_s"),
@@ -530,6 +547,19 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     f"(worst {row['max_s']:.2f} s), {rejoin['params'] / 1e6:.1f} M parameters"
                     + ("" if big else ": too small a model for the bound")
                 ),
+            }
+        )
+    if rejoin:
+        steps = rejoin["row"].get("median_steps_waited")
+        targets.append(
+            {
+                "target": "Rejoin: the joiner trains from the step after the one in flight "
+                "when its request was seen (the members complete at most 1 step, the one "
+                "in flight, between the request and the joiner's first step)",
+                "met": steps is not None and steps <= 1,
+                "measured": "no rejoin"
+                if steps is None
+                else f"median {steps:g} step(s), worst {rejoin['row']['max_steps_waited']}",
             }
         )
     checks = [result[p]["steps"] for p in ("recovery", "rejoin") if p in result]

@@ -767,6 +767,13 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
             ("rejoins", "trials", None),
             ("request to first completed step", "median_s", "**"),
             ("worst", "max_s", None),
+            (
+                "steps the members completed from the request to the joiner's first step "
+                "(the one in flight included; medians, then worst)",
+                "median_steps_waited",
+                None,
+            ),
+            ("worst, in steps", "max_steps_waited", None),
             ("- to admitted, state received", "median_admitted_s", None),
             ("- `rd.ResilientDDP(...)`, optimizer, sampler", "median_wrap_s", None),
             ("- first step", "median_first_step_s", None),
@@ -783,7 +790,7 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
             cells = []
             for row, _, _ in cols:
                 v = row.get(key)
-                text = str(v) if key == "trials" else _s(v)
+                text = str(v) if key == "trials" or "steps" in key else _s(v)
                 cells.append(f"{bold}{text}{bold}" if bold and v is not None else text)
             body.append([label, *cells])
         header = [

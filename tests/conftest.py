@@ -9,6 +9,7 @@ threads are checked, and the environment is checked last.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import os
@@ -50,6 +51,9 @@ _THREAD_JOIN_GRACE_S = 2.0
 _THREAD_NAME_ALLOWLIST: tuple[str, ...] = ()
 
 _CHILD_TERMINATE_GRACE_S = 2.0
+# How long a process orphaned by a test may take to notice and end (torch's DataLoader
+# workers check their parent every 5 s).
+_ORPHAN_GRACE_S = 6.0
 
 
 # Where faulthandler writes (a copy of the real stderr), and whether this conftest enabled it.
@@ -154,6 +158,51 @@ def thread_police() -> Iterator[None]:
         pytest.fail(f"test left thread(s) running: {described}", pytrace=False)
 
 
+def _session_orphans() -> dict[int, str]:
+    """Processes of this session that lost their parent (now init's children), by pid:
+    what a killed rank leaves behind when its own children (DataLoader workers, a fork
+    server) do not end with it. ``multiprocessing.active_children()`` cannot see them."""
+    sid = os.getsid(0)
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue  # ended meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        state, ppid, session = fields[0], int(fields[1]), int(fields[3])
+        if ppid == 1 and session == sid and state != "Z":
+            found[int(entry)] = cmd[:160]
+    return found
+
+
+def _fail_on_new_orphans(before: dict[int, str]) -> None:
+    """Fail the test if processes it orphaned are still alive after a grace (a worker
+    that notices its parent's end polls every 5 s in torch), after killing them."""
+    deadline = time.monotonic() + _ORPHAN_GRACE_S
+    while True:
+        new = {p: c for p, c in _session_orphans().items() if p not in before}
+        if not new or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if not new:
+        return
+    for pid in new:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    described = "; ".join(f"pid {p}: {c}" for p, c in new.items())
+    pytest.fail(
+        f"test left orphaned process(es) running {_ORPHAN_GRACE_S:.0f} s after it ended "
+        f"(their parent died without ending them): {described}",
+        pytrace=False,
+    )
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes() -> Iterator[None]:
     """Fail a test that leaves ``multiprocessing`` children alive, after killing them.
@@ -161,23 +210,29 @@ def no_leftover_processes() -> Iterator[None]:
     Only children started during the test count, so a session-scoped fixture may keep a
     helper process. Children are sent SIGTERM, then SIGKILL if they ignore it, so they
     never outlive the test. ``subprocess.Popen`` children are not visible here. A test
-    that starts one must wait for it itself.
+    that starts one must wait for it itself. Processes of this session that the test
+    orphaned (a killed rank's DataLoader workers) fail it too, after a grace.
     """
     before = set(multiprocessing.active_children())
+    orphans_before = _session_orphans()
     yield
     leftover = [p for p in multiprocessing.active_children() if p not in before]
-    if not leftover:
-        return
-    described = ", ".join(f"{p.name} (pid={p.pid})" for p in leftover)
-    for proc in leftover:
-        proc.terminate()
-    deadline = time.monotonic() + _CHILD_TERMINATE_GRACE_S
-    for proc in leftover:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=_CHILD_TERMINATE_GRACE_S)
-    pytest.fail(f"test left child process(es) running: {described}", pytrace=False)
+    try:
+        if not leftover:
+            return
+        described = ", ".join(f"{p.name} (pid={p.pid})" for p in leftover)
+        for proc in leftover:
+            proc.terminate()
+        deadline = time.monotonic() + _CHILD_TERMINATE_GRACE_S
+        for proc in leftover:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=_CHILD_TERMINATE_GRACE_S)
+        pytest.fail(f"test left child process(es) running: {described}", pytrace=False)
+    finally:
+        # Also after killing leftover children: their own children become orphans.
+        _fail_on_new_orphans(orphans_before)
 
 
 @pytest.fixture(autouse=True)

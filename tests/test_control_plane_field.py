@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from resilient_ddp import _control as ctl
+from resilient_ddp._elastic_protocol import ack_key
 from resilient_ddp.launch import launch
 from resilient_ddp.testing import format_outcomes, run_ranks
 
@@ -250,7 +251,7 @@ def test_forgetting_a_generation_deletes_every_key_it_wrote() -> None:
         cp.publish_signature(1, r, {"op": "x"})
         jobs.post_ready(3, r)
         jobs.post_has_state(3, r)
-        jobs.ack(3, 2, r)
+        jobs.ack(3, 2, r, 7)
     cp.claim(1)
     cp.post_event({"kind": "crash", "rank": 1})
     cp.request_diagnosis()
@@ -362,3 +363,20 @@ def test_a_rank_in_another_pid_namespace_is_not_reported_dead(tmp_path: Path) ->
     assert codes == [0, 0, 0], report
     for r in range(3):
         assert "done 3.0" in (tmp_path / f"rank{r}.log").read_text(), report
+
+
+def test_the_admission_bound_is_the_largest_acknowledged_step_once_all_acknowledged() -> None:
+    """The acknowledgements of a round of join requests carry each member's committed
+    step count; the bound exists only once every member acknowledged, and is their max."""
+    jobs = ctl.JobStore(ctl.root_prefix(dist.HashStore(), "job", "secret"))
+    jobs.ack(2, 1, 0, 11)
+    jobs.ack(2, 1, 2, 12)
+    assert jobs.ack_bound(2, 1, 3) is None
+    assert jobs.missing_acks(2, 1, 3) == [1]
+    jobs.ack(2, 1, 1, 10)
+    assert jobs.ack_bound(2, 1, 3) == 12
+    assert jobs.missing_acks(2, 1, 3) == []
+    assert jobs.ack_bound(2, 2, 3) is None  # another round: its own acknowledgements
+    assert jobs.ack_bound(3, 1, 3) is None  # another generation
+    jobs.root.set(ack_key(2, 1, 1), "garbage")  # not a sealed record: never believed
+    assert jobs.ack_bound(2, 1, 3) is None

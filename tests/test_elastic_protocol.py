@@ -642,6 +642,45 @@ def test_decide_admission_step(
     assert adm.rank_of(pending[0]) == len(members)
 
 
+@pytest.mark.parametrize(
+    ("committed", "acked", "step", "at"),
+    [
+        # The acknowledged bound fixes the step; the sampler sees the decider's own count.
+        pytest.param(10, 10, None, 11, id="decider-at-the-bound"),
+        pytest.param(10, 9, None, 10, id="decider-a-step-past-the-bound-admits-now"),
+        # 8 left: one step of the epoch is left at the decider's boundary, too few for 3
+        # full slots: the sampler moves the admission to the next epoch's first step.
+        pytest.param(10, 9, _sampler(92), 11, id="sampler-given-the-deciders-count"),
+    ],
+)
+def test_decide_admission_from_the_acknowledged_bound(
+    committed: int, acked: int, step: Any, at: int
+) -> None:
+    adm = decide_admission(
+        committed=committed,
+        acked=acked,
+        members=[0, 1],
+        pending=[1000001],
+        next_generation=6,
+        generation=4,
+        samplers_step=step,
+    )
+    assert adm.at == at
+
+
+def test_decide_admission_refuses_a_bound_more_than_a_step_behind() -> None:
+    with pytest.raises(ValueError, match="more than a step before"):
+        decide_admission(
+            committed=10,
+            acked=8,
+            members=[0, 1],
+            pending=[1000001],
+            next_generation=6,
+            generation=4,
+            samplers_step=None,
+        )
+
+
 def test_decide_admission_passes_worlds_and_committed_to_the_sampler() -> None:
     seen: list[tuple[int, int, int, int]] = []
 

@@ -6,7 +6,12 @@ per epoch, a falling loss, the world whole again)."""
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import os
 import random
+import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,7 +27,7 @@ from resilient_ddp.elastic_sampler import (
     ElasticDistributedSampler,
 )
 from resilient_ddp.errors import ConfigError
-from resilient_ddp.testing import format_outcomes, run_ranks
+from resilient_ddp.testing import format_outcomes, kill_self, run_ranks
 
 from . import _elastic_loader_workers as lw
 from .test_elastic_mp import _check_job
@@ -176,3 +181,55 @@ def test_the_old_name_is_a_deprecated_alias() -> None:
     with pytest.warns(FutureWarning, match="use resilient_ddp.ElasticBatchSampler"):
         old = ElasticDistributedSampler(10, 2, shuffle=False)
     assert list(old) == list(ElasticBatchSampler(10, 2, shuffle=False))
+
+
+def _workers_then_die(start: str, out: str) -> None:
+    """Start a persistent ElasticDataLoader's workers (``start`` method), then die by
+    SIGKILL as a failed rank does."""
+    loader = ElasticDataLoader(
+        _Ids(),
+        batch_sampler=ElasticBatchSampler(50, 4),
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context=start,
+        worker_init_fn=functools.partial(_note_worker, out),
+    )
+    next(iter(loader))
+    deadline = time.monotonic() + 30  # the first batch may come before a worker's init
+    while len(list(Path(out).glob("*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    kill_self()
+
+
+def _note_worker(out: str, worker_id: int) -> None:
+    """The user's worker_init_fn: leaves the worker's pid in ``out``."""
+    Path(out, f"{worker_id}.pid").write_text(str(os.getpid()))
+
+
+@pytest.mark.parametrize("start", ["forkserver", "fork"])
+def test_workers_end_with_a_killed_rank(start: str, tmp_path: Path) -> None:
+    """A SIGKILLed rank's persistent workers end at once, also when a fork server started
+    them (torch's own check would watch the fork server, which they keep alive: they
+    outlived the rank for good). The user's worker_init_fn still runs in each."""
+    proc = multiprocessing.get_context("forkserver").Process(
+        target=_workers_then_die, args=(start, str(tmp_path))
+    )
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL
+    workers = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
+    assert len(workers) == 2  # the user's worker_init_fn ran in each worker
+    deadline = time.monotonic() + 2.0  # torch's own check polls every 5 s
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _running(p)]
+        time.sleep(0.02)
+    assert not alive, f"workers {alive} outlived their killed rank"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

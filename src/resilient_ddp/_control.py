@@ -741,13 +741,31 @@ class JobStore:
     def join_requests(self) -> list[dict[str, Any]]:
         return self._log("join/log")
 
-    def ack(self, generation: int, requests: int, rank: int) -> None:
-        """``rank`` saw ``requests`` join requests in ``generation``."""
-        self._flag(ack_key(generation, requests, rank))
+    def ack(self, generation: int, requests: int, rank: int, committed: int) -> None:
+        """``rank`` saw ``requests`` join requests in ``generation`` when it had
+        ``committed`` steps, and looks for the admission at every step boundary after."""
+        self._put(ack_key(generation, requests, rank), {"committed": committed})
 
-    def acked(self, generation: int, requests: int, world: int) -> bool:
-        """Whether every rank of ``generation`` acknowledged ``requests`` requests."""
-        return self._has(*[ack_key(generation, requests, r) for r in range(world)])
+    def ack_bound(self, generation: int, requests: int, world: int) -> int | None:
+        """The largest committed step count in the acknowledgements of ``requests``
+        requests by every rank of ``generation``; None until every rank acknowledged (or
+        while one acknowledgement is not a valid record). Two round trips at most."""
+        keys = [ack_key(generation, requests, r) for r in range(world)]
+        if not self._has(*keys):
+            return None
+        raw = self._c(self.root.multi_get, keys)
+        counts = []
+        for k, v in zip(keys, raw, strict=True):
+            rec = unseal(self.key, k, v)
+            if not isinstance(rec, dict) or not isinstance(rec.get("committed"), int):
+                return None
+            counts.append(int(rec["committed"]))
+        return max(counts)
+
+    def missing_acks(self, generation: int, requests: int, world: int) -> list[int]:
+        """The ranks of ``generation`` that did not acknowledge ``requests`` requests."""
+        keys = [ack_key(generation, requests, r) for r in range(world)]
+        return [r for r, k in enumerate(keys) if not self._has(k)]
 
     def admission_for(self, uid: int) -> dict[str, Any] | None:
         rec = self._get(f"join/adm/{uid}")

@@ -575,14 +575,16 @@ def decide_admission(
     next_generation: Callable[[], int] | int,
     generation: int,
     samplers_step: AdmissionStep | Iterable[AdmissionStep] | None,
+    acked: int | None = None,
 ) -> Admission:
     """The admission of ``pending`` joiners, decided by a member with ``committed`` steps.
 
-    The step is the decider's next step boundary, ``committed + 1``: no member can have
-    completed the step the decider is about to start, so every member (each acknowledged
-    and looks at every forward) reads the decision before it gets there. Each elastic
-    sampler may then move it later, to where the joiners get full slots
-    (:meth:`ElasticParticipant.admission_step`),
+    The step is ``acked + 1``: the largest committed step count in the members'
+    acknowledgements plus one. Each member looks for the decision at every step boundary
+    after its acknowledged count and cannot pass one without it, so none can be past
+    that step (without ``acked``: the decider's next step boundary, ``committed + 1``).
+    Each elastic sampler may then move it later, to where the joiners get full slots
+    (:meth:`ElasticParticipant.admission_step`, given the decider's ``committed``),
     applied in turn.
 
     Args:
@@ -594,9 +596,12 @@ def decide_admission(
         generation: The current generation.
         samplers_step: One participant's ``admission_step``, several (applied in order), or
             ``None``.
+        acked: The largest committed step count the members acknowledged the requests
+            with (at least ``committed - 1``: the members are within a step of each other).
 
     Raises:
-        ValueError: ``pending`` is empty or names a member, or a sampler moved the step
+        ValueError: ``pending`` is empty or names a member, ``acked`` is below
+            ``committed - 1``, or a sampler moved the step
             earlier (a member could be past it before it reads the decision).
     """
     if not pending:
@@ -611,7 +616,12 @@ def decide_admission(
     else:
         steps = samplers_step
     world, new_world = len(members), len(members) + len(pending)
-    at = committed + 1
+    if acked is not None and acked < committed - 1:
+        raise ValueError(
+            f"decide_admission: acknowledged step {acked} is more than a step before the "
+            f"decider's {committed}"
+        )
+    at = committed + 1 if acked is None else acked + 1
     for step in steps:
         moved = step(at, world, new_world, committed)
         if moved < at:

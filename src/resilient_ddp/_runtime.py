@@ -54,6 +54,8 @@ _events.install_rank_filter()  # every record of the logger says which rank wrot
 
 # The phase a rank shows in its heartbeat while it recovers from a failure (elastic.py).
 RECOVERY_PHASE = "recovery"
+# The section a joiner is in from its admission to its first collective.
+JOIN_STARTUP_SECTION = "start-up after joining"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _THREADING_FILE = os.path.abspath(threading.__file__)
@@ -179,6 +181,7 @@ class Runtime:
         self.section = ""
         self.section_deadline = float("inf")  # time.monotonic() when the section's budget ends
         self.section_budget = 0.0
+        self.starting_up = False  # a joiner between its admission and its first collective
         self.status = "running"
         self.compute_s = 0.0  # median local compute time of recent steps (ResilientDDP)
         # distributed_inference: [call number, items done so far]
@@ -254,6 +257,8 @@ class Runtime:
     # -- healthy path ------------------------------------------------------------------------
     def begin_op(self, name: str) -> int:
         """Assign the next sequence number to op ``name`` and raise if it cannot succeed."""
+        if self.starting_up:
+            self.end_startup()
         self.seq += 1
         seq = self.seq
         self.op, self.op_seq = name, seq
@@ -297,6 +302,21 @@ class Runtime:
             "raised": self.raised,
             "t": time.time(),
         }
+
+    def begin_startup(self) -> None:
+        """A joiner was just admitted: until its first collective it is in the section
+        :data:`JOIN_STARTUP_SECTION`, whose budget (``join_startup_timeout``) the members
+        wait out in the step that admitted it, past ``op_timeout``."""
+        budget = self.config.join_startup_timeout.total_seconds()
+        self.section = JOIN_STARTUP_SECTION
+        self.section_deadline, self.section_budget = time.monotonic() + budget, budget
+        self.starting_up = True
+
+    def end_startup(self) -> None:
+        """The joiner's first collective: its start-up section ends."""
+        self.starting_up = False
+        if self.section == JOIN_STARTUP_SECTION:
+            self.section, self.section_deadline, self.section_budget = "", float("inf"), 0.0
 
     def section_left(self) -> float | None:
         """Seconds left in the budget of the section this rank is in (None: no budget)."""

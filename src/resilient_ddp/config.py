@@ -113,6 +113,13 @@ class ResilienceConfig(_Model):
             identical, the failed step redone or skipped) and admits replacements.
         min_world_size: With ``on_failure="shrink"``, the fewest ranks training may go on
             with (default 1); below it every survivor raises :class:`RankFailureError`.
+        join_startup_timeout: With ``on_failure="shrink"``, how long a process that was
+            just admitted may take from its admission (the return of
+            ``rd.init_process_group``) to its first collective: building the model and the
+            optimizer, starting DataLoader workers, its first forward (default 60 s). The
+            members wait for it that long in the step that admitted it, past
+            ``op_timeout``; a joiner that overruns it is reported with its stack and
+            removed like any failed rank.
         event_log: Path of a JSON-lines file to which each rank appends the job's
             resilience events (failure, shrink, join, straggler), one object per line;
             ``{rank}`` in the path is replaced by the rank of the process's first event
@@ -133,6 +140,7 @@ class ResilienceConfig(_Model):
     straggler_interval: timedelta = timedelta(seconds=10)
     on_failure: Literal["raise", "shrink"] = "raise"
     min_world_size: int = Field(default=1, ge=1)
+    join_startup_timeout: timedelta = timedelta(seconds=60)
     event_log: str | None = None
 
     @field_validator(
@@ -143,6 +151,7 @@ class ResilienceConfig(_Model):
         "init_timeout",
         "diagnosis_timeout",
         "straggler_interval",
+        "join_startup_timeout",
     )
     @classmethod
     def _check_positive(cls, v: timedelta | None, info: Any) -> timedelta | None:

@@ -59,8 +59,8 @@ from . import _control as ctl
 from . import _elastic_protocol as proto
 from . import _events
 from ._elastic_protocol import ElasticParticipant
-from ._runtime import RECOVERY_PHASE, Runtime, phase
-from .errors import ControlPlaneError, RankFailureError
+from ._runtime import JOIN_STARTUP_SECTION, RECOVERY_PHASE, Runtime, phase
+from .errors import ControlPlaneError, Culprit, RankFailureError
 
 __all__ = ["ElasticParticipant", "register_elastic_participant"]
 
@@ -88,6 +88,12 @@ class Elastic:
     joins_seen: int = 0
     # (generation, number of join requests) this rank acknowledged: one round of acks
     acked: tuple[int, int] = (-1, -1)
+    # (generation, committed steps) of this rank's first acknowledgement in that
+    # generation: it looks for the admission at every step boundary after that one
+    first_ack: tuple[int, int] = (-1, -1)
+    # Acknowledgements come from the watchdog and from the training thread: one at a time,
+    # so that what is posted and first_ack agree.
+    ack_lock: threading.Lock = field(default_factory=threading.Lock)
     acks_seen: set[int] = field(default_factory=set)  # request counts acked this generation
     grow: dict[str, Any] | None = None  # the admission decision for this generation
     received: dict[str, Any] | None = None  # joiner: state received at admission
@@ -859,41 +865,106 @@ def _transferring(rt: Runtime, ranks: list[int]) -> bool:
     return all(states.get(r, {}).get("phase") == TRANSFER_PHASE for r in ranks)
 
 
-def _grow_decision(rt: Runtime, el: Elastic) -> bool:
-    """Acknowledge the pending join requests and, once every member did, fix the
-    admission (step, joiners, generation) through ``compare_set``.
+def acknowledge(el: Elastic, jobs: ctl.JobStore, generation: int, rank: int, n: int) -> None:
+    """Acknowledge ``n`` join requests as ``rank`` of ``generation``: "I saw them at my
+    committed step count ``c``, and look for the admission at every step boundary after
+    it". The watchdog calls it as soon as it sees a request (within a heartbeat interval,
+    whatever the step time); the training thread calls it at a forward if the watchdog
+    did not yet. Idempotent per ``(generation, n)``.
 
-    A round of acknowledgements is keyed by the number of requests the member saw: an
-    acknowledgement says "I saw these requests, and I look for the decision at each forward
-    from now on". Only then may a decision name a step: it is the decider's next step
-    boundary (lockstep: no member can have completed the step the decider is about to
-    start, so every member reaches that boundary after the decision exists).
+    ``join_seen`` is set before ``committed`` is read: a boundary the training thread
+    passes without looking is then at most ``c``, and the admission step is after every
+    member's ``c`` (see :func:`_grow_decision`).
+    """
+    with el.ack_lock:
+        el.join_seen = True
+        if el.acked == (generation, n):
+            return
+        committed = el.committed
+        jobs.ack(generation, n, rank, committed)
+        el.acked = (generation, n)
+        el.acks_seen.add(n)
+        if el.first_ack[0] != generation:
+            el.first_ack = (generation, committed)
+
+
+def _grow_decision(rt: Runtime, el: Elastic) -> bool:
+    """At a step boundary (a forward) while join requests are pending: find or take the
+    admission decision (step, joiners, generation), fixed once through ``compare_set``.
+
+    The rule that keeps every member in step without a vote on healthy steps: each member
+    acknowledges the requests with its committed step count ``c`` (:func:`acknowledge`,
+    mostly from its watchdog, while the step in flight runs), and from then on never
+    passes a step boundary after ``c`` without a decision. Once every member acknowledged,
+    the admission step is the largest ``c`` plus one: no member can be past it (to
+    complete a step after its own ``c``, a member needs every member's gradients for it),
+    so the joiner trains from the step after the one in flight when the members saw its
+    request. A member that reaches that boundary before the last acknowledgement arrives
+    waits for it here (a heartbeat interval at most, while the peers live).
 
     Returns:
         Whether ``el.grow`` holds the decision now.
+
+    Raises:
+        RankFailureError: A failure was recorded while waiting, or a member did not
+            acknowledge within the form timeout.
     """
     jobs = _jobs(rt.control_root)
     key = f"grow/g{rt.generation}"
-    taken = jobs.decision(key)
-    if taken is not None:
-        el.grow = taken
-        return True
-    n = jobs.join_count()
-    if proto.needs_ack(el.acked, generation=rt.generation, requests=n):
-        if not _pending_joiners(jobs, el):
-            el.join_seen = False  # nothing to admit (yet): the watchdog wakes us again
-            return False
-        jobs.ack(rt.generation, n, rt.rank)
-        el.acked = (rt.generation, n)
-        el.acks_seen.add(n)
-    if not jobs.acked(rt.generation, n, rt.world_size):
-        return False
-    pending = _pending_joiners(jobs, el)
+    deadline: float | None = None
+    while True:
+        taken = jobs.decision(key)
+        if taken is not None:
+            el.grow = taken
+            return True
+        n = jobs.join_count()
+        if proto.needs_ack(el.acked, generation=rt.generation, requests=n):
+            if not pending_joiners(jobs, el):
+                el.join_seen = False  # nothing to admit (yet): the watchdog wakes us again
+                return False
+            acknowledge(el, jobs, rt.generation, rt.rank, n)
+        bound = jobs.ack_bound(rt.generation, n, rt.world_size)
+        if bound is not None:
+            break
+        first_gen, first_c = el.first_ack
+        if first_gen == rt.generation and el.committed <= first_c:
+            return False  # no admission can be at this boundary
+        if deadline is None:
+            deadline = time.monotonic() + _form_timeout(rt.config)
+        rt.raise_if_failed("forward", rt.seq + 1)
+        if time.monotonic() >= deadline:
+            missing = jobs.missing_acks(rt.generation, n, rt.world_size)
+            if _starting_up(rt, missing):
+                # A joiner just admitted acknowledges at its first forward: it is waited
+                # for within its start-up budget (an overrun is reported as a failure).
+                deadline = time.monotonic() + 0.1
+                continue
+            culprits = [
+                Culprit(
+                    rank=r,
+                    host=str(rt.infos.get(r, {}).get("host", "?")),
+                    pid=int(rt.infos.get(r, {}).get("pid", 0)),
+                    what=f"did not acknowledge {n} join request(s) within "
+                    f"{_form_timeout(rt.config):.1f} s (its watchdog does not run?)",
+                )
+                for r in missing
+            ]
+            raise rt.notify_failure(
+                RankFailureError(
+                    f"rank(s) {missing} did not acknowledge the join requests: the admission "
+                    "step cannot be fixed",
+                    culprits=culprits,
+                    generation=rt.generation,
+                )
+            )
+        time.sleep(_POLL_S)
+    pending = pending_joiners(jobs, el)
     if not pending:
         el.join_seen = False
         return False
     dec = proto.decide_admission(
         committed=el.committed,
+        acked=bound,
         members=el.members,
         pending=pending,
         next_generation=functools.partial(_next_generation, rt),
@@ -907,9 +978,24 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     return True
 
 
-def _pending_joiners(jobs: ctl.JobStore, el: Elastic) -> list[int]:
+def _starting_up(rt: Runtime, ranks: list[int]) -> bool:
+    """Whether every rank of ``ranks`` says in its heartbeat that it is a joiner between
+    its admission and its first collective (``join_startup_timeout`` bounds that)."""
+    if not ranks:
+        return False
+    try:
+        states = rt.control.read_states(ranks)
+    except ControlPlaneError:
+        return False
+    return all(states.get(r, {}).get("section") == JOIN_STARTUP_SECTION for r in ranks)
+
+
+def pending_joiners(jobs: ctl.JobStore, el: Elastic, *, note: bool = True) -> list[int]:
+    """The member ids of the join requests still to be admitted, in request order; with
+    ``note``, the number of requests read is kept as ``el.joins_seen``."""
     requests = jobs.join_requests()
-    el.joins_seen = len(requests)
+    if note:
+        el.joins_seen = len(requests)
     return proto.pending_joiners(
         requests,
         el.members,
@@ -1054,6 +1140,7 @@ def _admit(
         el.history = list(state.get("history", []))
         el.note_world(rt, "join", before=n_old)
         _events.record(rt, "joined", world_size=rt.world_size, step=el.committed, uid=uid)
+        rt.begin_startup()
         return rt, state, None
     _runtime.set_current(None)
     if rt.watchdog is not None:

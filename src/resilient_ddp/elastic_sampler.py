@@ -32,7 +32,11 @@ it.
 
 from __future__ import annotations
 
+import os
+import select
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator, Sized
 from types import FrameType
@@ -422,6 +426,11 @@ class ElasticDataLoader(DataLoader[Any]):
     come again in later batches of the same epoch, so every sample of an epoch is still
     trained exactly once.
 
+    Its worker processes end with the process that created the loader, even when that
+    process is killed (SIGKILL) and even when they were started by a fork server or
+    ``spawn`` (then torch's own check watches the fork server, which outlives the rank):
+    each worker watches its creator through a pidfd and exits at once when it ends.
+
     Raises:
         ConfigError: ``batch_sampler`` is not an :class:`ElasticBatchSampler`, or
             ``in_order=False`` (batches must arrive in the order they were planned).
@@ -438,6 +447,7 @@ class ElasticDataLoader(DataLoader[Any]):
                 "ElasticDataLoader needs in_order=True: it matches each batch that arrives "
                 "with the plan it was made under, in order"
             )
+        kwargs["worker_init_fn"] = _EndWithCreator(os.getpid(), kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         self._rd_sampler = batch_sampler
 
@@ -452,6 +462,49 @@ class ElasticDataLoader(DataLoader[Any]):
         assert p is not None
         assert p.tracked
         return _fresh(it, sampler, p)
+
+
+class _EndWithCreator:
+    """A DataLoader ``worker_init_fn`` that makes the worker exit when the process that
+    created the loader ends, then calls the user's ``worker_init_fn``.
+
+    A killed rank cannot stop its workers. torch's workers notice the end of their
+    parent, but a worker started by a fork server (the default start method from Python
+    3.14, and what a rank started by one inherits) has the fork server as parent, which
+    lives on because the workers hold its liveness pipe: without this, such workers
+    outlive the rank for good (each holding its memory).
+    """
+
+    def __init__(self, pid: int, user_fn: Any) -> None:
+        self.pid = pid
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        threading.Thread(
+            target=_exit_when_ended, args=(self.pid,), name="rd-end-with-creator", daemon=True
+        ).start()
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _exit_when_ended(pid: int) -> None:
+    """Block until process ``pid`` ends (its pidfd becomes readable), then exit at once."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = -1  # no pidfd (not Linux >= 5.3, or the creator already ended): poll
+    if fd >= 0:
+        select.select([fd], [], [])
+    else:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass  # alive, another user's (pid reused): torch's own check remains
+            time.sleep(0.5)
+    os._exit(1)
 
 
 def _fresh(it: Iterator[Any], sampler: ElasticBatchSampler, p: _Pass) -> Iterator[Any]:

@@ -110,6 +110,10 @@ class Watchdog(threading.Thread):
         self._stop_event = threading.Event()
         self._wake = threading.Event()
         self._poking = False  # see poke()
+        self._generation, self._rank = runtime.generation, runtime.rank
+        self._jobs: ctl.JobStore | None = None  # elastic records, over this connection
+        # Join requests looked at in this generation (this watchdog's)
+        self._joins_known = 0
         self._beat = 0
         self._last_count = 0  # ev/n when last read
         self._lines_seen = 0  # events consumed from ev/log (may run ahead of ev/n)
@@ -309,14 +313,37 @@ class Watchdog(threading.Thread):
         if diag > self._diag_answered:
             self._diag_answered = diag
             self.control.publish_state(rt.rank, self._state(with_stack=True))
-        # Join requests: the main thread acknowledges them at its next forward.
-        if rt.elastic is not None and joins > rt.elastic.joins_seen:
-            rt.elastic.join_seen = True
+        # Join requests: acknowledged from here, while the step in flight runs, so that
+        # the admission can be at the next step boundary (see elastic._grow_decision).
+        if rt.elastic is not None and joins > self._joins_known:
+            self._acknowledge(joins)
         self._check_heartbeats(states)
         rt.check_told()
         self._check_local_processes()
         if rt.rank == 0 and time.monotonic() >= self._next_straggler_check:
             self._check_stragglers()
+
+    def _acknowledge(self, joins: int) -> None:
+        """Acknowledge ``joins`` join requests as this watchdog's generation and rank if one
+        of them is still to be admitted (the training thread may be moving to another
+        generation: then the next tick looks again)."""
+        from . import elastic
+
+        rt, el = self.rt, self.rt.elastic
+        assert el is not None
+        if (rt.generation, rt.rank, len(el.members)) != (
+            self._generation,
+            self._rank,
+            rt.world_size,
+        ):
+            return  # the generation is changing (members not yet set): the next tick
+        if self._jobs is None:
+            self._jobs = ctl.JobStore(self.control.root)
+        # Every member acknowledges a round when, and only when, a request in it is still
+        # to be admitted: a round that one member would wait for, all complete.
+        if elastic.pending_joiners(self._jobs, el, note=False):
+            elastic.acknowledge(el, self._jobs, self._generation, self._rank, joins)
+        self._joins_known = joins
 
     # -- records written by others ----------------------------------------------------------
     def _malformed(self, kind: str, key: str, problem: str) -> None:
