@@ -86,24 +86,7 @@ def test_prefetching_workers_through_a_kill_a_raise_and_a_fault_mid_prefetch(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "kind",
-    [
-        # Passed 3 of 5 runs (about 45 s each). One failure: a joiner's persistent
-        # DataLoader, resuming for an epoch it skips, waited > op_timeout for its freshly
-        # forked workers, and the members removed it. Another: with 12 processes on 2
-        # cores the parent-hosted store answered the watchdogs later than the 2 s
-        # heartbeat_timeout (every rank: "control-plane store is unreachable"), and a
-        # replacement hung for 100 s inside ResilienceConfig's construction, just forked
-        # from the fork server. Known bugs, not yet fixed (issue 17 stays open): skipped
-        # rather than left to fail or pass by chance.
-        pytest.param(
-            "kill",
-            marks=pytest.mark.skip(reason="known bugs: fails about 2 runs in 5 (see comment)"),
-        ),
-        "raise",
-    ],
-)
+@pytest.mark.parametrize("kind", ["kill", "raise"])
 def test_prefetching_workers_fault_matrix_twenty_seeded_faults(kind: str, tmp_path: Path) -> None:
     """The issue's proof: 20 seeded faults of one kind per run (kill before the forward,
     0-20 ms into the step, or while a prefetched batch is planned; raise before the
