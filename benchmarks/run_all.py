@@ -769,11 +769,18 @@ def render_elastic(data: dict[str, Any]) -> list[str]:
             ("worst", "max_s", None),
             (
                 "steps the members completed from the request to the joiner's first step "
-                "(the one in flight included; medians, then worst)",
+                "(the one in flight included)",
                 "median_steps_waited",
                 None,
             ),
             ("worst, in steps", "max_steps_waited", None),
+            ("- request to the last member's acknowledgement", "median_seen_s", None),
+            (
+                "steps from the last member's acknowledgement to the joiner's first step",
+                "median_steps_waited_seen",
+                None,
+            ),
+            ("worst, in steps", "max_steps_waited_seen", None),
             ("- to admitted, state received", "median_admitted_s", None),
             ("- `rd.ResilientDDP(...)`, optimizer, sampler", "median_wrap_s", None),
             ("- first step", "median_first_step_s", None),

@@ -380,3 +380,37 @@ def test_the_admission_bound_is_the_largest_acknowledged_step_once_all_acknowled
     assert jobs.ack_bound(3, 1, 3) is None  # another generation
     jobs.root.set(ack_key(2, 1, 1), "garbage")  # not a sealed record: never believed
     assert jobs.ack_bound(2, 1, 3) is None
+
+
+def test_a_member_that_acknowledged_keeps_looking_until_its_generation_ends() -> None:
+    """An acknowledgement promises to look for the admission at every step boundary after
+    it: nothing may switch that off within the generation. Rounds never go back, and a
+    watchdog of a generation that ended posts nothing."""
+    from types import SimpleNamespace
+
+    from resilient_ddp import elastic
+
+    jobs = ctl.JobStore(ctl.root_prefix(dist.HashStore(), "job", "secret"))
+    rt: Any = SimpleNamespace(generation=3, rank=1)
+    el = elastic.Elastic(uid=1, members=[0, 1], committed=9)
+    el.join_seen = True
+    elastic._stop_looking(rt, el)  # nothing acknowledged here: it may stop
+    assert not el.join_seen
+    elastic.acknowledge(rt, el, jobs, 3, 1, 2)
+    assert el.join_seen
+    assert el.acked == (3, 2)
+    assert el.first_ack == (3, 9)
+    jobs.ack(3, 2, 0, 8)
+    assert jobs.ack_bound(3, 2, 2) == 9
+    elastic._stop_looking(rt, el)
+    assert el.join_seen  # acknowledged in this generation: keeps looking
+    el.committed = 10
+    elastic.acknowledge(rt, el, jobs, 3, 1, 1)  # an older round: nothing goes back
+    assert el.acked == (3, 2)
+    assert jobs.ack_bound(3, 2, 2) == 9
+    elastic.acknowledge(rt, el, jobs, 2, 1, 5)  # the watchdog of an ended generation
+    assert el.acked == (3, 2)
+    assert jobs.missing_acks(2, 5, 2) == [0, 1]
+    rt.generation = 4
+    elastic._stop_looking(rt, el)
+    assert not el.join_seen

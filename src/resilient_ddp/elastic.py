@@ -59,7 +59,7 @@ from . import _control as ctl
 from . import _elastic_protocol as proto
 from . import _events
 from ._elastic_protocol import ElasticParticipant
-from ._runtime import JOIN_STARTUP_SECTION, RECOVERY_PHASE, Runtime, phase
+from ._runtime import RECOVERY_PHASE, Runtime, phase
 from .errors import ControlPlaneError, Culprit, RankFailureError
 
 __all__ = ["ElasticParticipant", "register_elastic_participant"]
@@ -94,6 +94,7 @@ class Elastic:
     # Acknowledgements come from the watchdog and from the training thread: one at a time,
     # so that what is posted and first_ack agree.
     ack_lock: threading.Lock = field(default_factory=threading.Lock)
+    first_ack_t = 0.0  # time.time() of that first acknowledgement
     acks_seen: set[int] = field(default_factory=set)  # request counts acked this generation
     grow: dict[str, Any] | None = None  # the admission decision for this generation
     received: dict[str, Any] | None = None  # joiner: state received at admission
@@ -796,7 +797,10 @@ def maybe_admit(
     for uid in grow["joiners"]:
         jobs.mark_admitted(uid)
     _publish_members(rt, gen_from, before)
-    el.join_seen = jobs.join_count() > el.joins_seen
+    if jobs.join_count() > el.joins_seen:
+        el.join_seen = True  # more requests came meanwhile: look at the next forward
+    else:
+        _stop_looking(rt, el)
     took = time.monotonic() - t0
     fields = {
         "joiners": grow["joiners"],
@@ -804,6 +808,9 @@ def maybe_admit(
         "world_size": rt.world_size,
         "step": el.committed,
         "admission_s": round(took, 4),
+        # When this member acknowledged the request, and its committed steps then.
+        "acked_t": el.first_ack_t,
+        "acked_step": el.first_ack[1],
     }
     el.events.append({"t": time.time(), "kind": "join", "generation": rt.generation, **fields})
     _events.record(rt, "join", **fields)
@@ -865,7 +872,18 @@ def _transferring(rt: Runtime, ranks: list[int]) -> bool:
     return all(states.get(r, {}).get("phase") == TRANSFER_PHASE for r in ranks)
 
 
-def acknowledge(el: Elastic, jobs: ctl.JobStore, generation: int, rank: int, n: int) -> None:
+def _stop_looking(rt: Runtime, el: Elastic) -> None:
+    """Stop looking for an admission at each forward, unless this member acknowledged
+    requests in this generation: it promised to look at every step boundary after that
+    (see :func:`_grow_decision`), until the generation changes."""
+    with el.ack_lock:
+        if el.acked[0] != rt.generation:
+            el.join_seen = False
+
+
+def acknowledge(
+    rt: Runtime, el: Elastic, jobs: ctl.JobStore, generation: int, rank: int, n: int
+) -> None:
     """Acknowledge ``n`` join requests as ``rank`` of ``generation``: "I saw them at my
     committed step count ``c``, and look for the admission at every step boundary after
     it". The watchdog calls it as soon as it sees a request (within a heartbeat interval,
@@ -877,15 +895,18 @@ def acknowledge(el: Elastic, jobs: ctl.JobStore, generation: int, rank: int, n: 
     member's ``c`` (see :func:`_grow_decision`).
     """
     with el.ack_lock:
+        if (rt.generation, rt.rank) != (generation, rank):
+            return  # a watchdog of a generation that just ended
         el.join_seen = True
-        if el.acked == (generation, n):
-            return
+        if el.acked[0] == generation and el.acked[1] >= n:
+            return  # this round or a later one is acknowledged (records never go back)
         committed = el.committed
         jobs.ack(generation, n, rank, committed)
         el.acked = (generation, n)
         el.acks_seen.add(n)
         if el.first_ack[0] != generation:
             el.first_ack = (generation, committed)
+            el.first_ack_t = time.time()
 
 
 def _grow_decision(rt: Runtime, el: Elastic) -> bool:
@@ -911,7 +932,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     """
     jobs = _jobs(rt.control_root)
     key = f"grow/g{rt.generation}"
-    deadline: float | None = None
+    round_n, deadline = -1, 0.0  # the round waited for, and until when
     while True:
         taken = jobs.decision(key)
         if taken is not None:
@@ -920,47 +941,29 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         n = jobs.join_count()
         if proto.needs_ack(el.acked, generation=rt.generation, requests=n):
             if not pending_joiners(jobs, el):
-                el.join_seen = False  # nothing to admit (yet): the watchdog wakes us again
+                _stop_looking(rt, el)  # nothing to admit (yet): the watchdog wakes us again
                 return False
-            acknowledge(el, jobs, rt.generation, rt.rank, n)
+            acknowledge(rt, el, jobs, rt.generation, rt.rank, n)
         bound = jobs.ack_bound(rt.generation, n, rt.world_size)
         if bound is not None:
             break
         first_gen, first_c = el.first_ack
         if first_gen == rt.generation and el.committed <= first_c:
             return False  # no admission can be at this boundary
-        if deadline is None:
-            deadline = time.monotonic() + _form_timeout(rt.config)
+        if not pending_joiners(jobs, el):
+            # Nothing left to admit (a joiner gave up or was admitted): no member can decide
+            # from this round any more, since the decider reads the pending requests after
+            # the round completed (they only leave the list).
+            return False
+        if round_n != n:
+            round_n, deadline = n, time.monotonic() + _form_timeout(rt.config)
         rt.raise_if_failed("forward", rt.seq + 1)
         if time.monotonic() >= deadline:
-            missing = jobs.missing_acks(rt.generation, n, rt.world_size)
-            if _starting_up(rt, missing):
-                # A joiner just admitted acknowledges at its first forward: it is waited
-                # for within its start-up budget (an overrun is reported as a failure).
-                deadline = time.monotonic() + 0.1
-                continue
-            culprits = [
-                Culprit(
-                    rank=r,
-                    host=str(rt.infos.get(r, {}).get("host", "?")),
-                    pid=int(rt.infos.get(r, {}).get("pid", 0)),
-                    what=f"did not acknowledge {n} join request(s) within "
-                    f"{_form_timeout(rt.config):.1f} s (its watchdog does not run?)",
-                )
-                for r in missing
-            ]
-            raise rt.notify_failure(
-                RankFailureError(
-                    f"rank(s) {missing} did not acknowledge the join requests: the admission "
-                    "step cannot be fixed",
-                    culprits=culprits,
-                    generation=rt.generation,
-                )
-            )
+            raise _unacknowledged(rt, jobs, n)
         time.sleep(_POLL_S)
     pending = pending_joiners(jobs, el)
     if not pending:
-        el.join_seen = False
+        _stop_looking(rt, el)
         return False
     dec = proto.decide_admission(
         committed=el.committed,
@@ -978,16 +981,33 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     return True
 
 
-def _starting_up(rt: Runtime, ranks: list[int]) -> bool:
-    """Whether every rank of ``ranks`` says in its heartbeat that it is a joiner between
-    its admission and its first collective (``join_startup_timeout`` bounds that)."""
-    if not ranks:
-        return False
-    try:
-        states = rt.control.read_states(ranks)
-    except ControlPlaneError:
-        return False
-    return all(states.get(r, {}).get("section") == JOIN_STARTUP_SECTION for r in ranks)
+def _unacknowledged(rt: Runtime, jobs: ctl.JobStore, n: int) -> Exception:
+    """The error for a round of ``n`` join requests that some member did not acknowledge
+    within the form timeout (its watchdog does not run, or the store lost its record)."""
+    missing = jobs.missing_acks(rt.generation, n, rt.world_size)
+    if not missing:
+        return ControlPlaneError(
+            "an acknowledgement of the join requests in the control-plane store is not a "
+            "valid record: a process outside the job writes to its store"
+        )
+    culprits = [
+        Culprit(
+            rank=r,
+            host=str(rt.infos.get(r, {}).get("host", "?")),
+            pid=int(rt.infos.get(r, {}).get("pid", 0)),
+            what=f"did not acknowledge {n} join request(s) within "
+            f"{_form_timeout(rt.config):.1f} s (its watchdog does not run?)",
+        )
+        for r in missing
+    ]
+    return rt.notify_failure(
+        RankFailureError(
+            f"rank(s) {missing} did not acknowledge the join requests: the admission step "
+            "cannot be fixed",
+            culprits=culprits,
+            generation=rt.generation,
+        )
+    )
 
 
 def pending_joiners(jobs: ctl.JobStore, el: Elastic, *, note: bool = True) -> list[int]:
@@ -1120,7 +1140,9 @@ def _admit(
         config=cfg,
         generation=-1,
     )
-    rt.elastic = el = Elastic(uid=uid, members=members)
+    # The members admit at the first forward with ``at`` steps committed: its watchdog may
+    # acknowledge requests before the state (which says the same) arrives.
+    rt.elastic = el = Elastic(uid=uid, members=members, committed=int(adm["at"]))
     _jobs(root).post_ready(gen, rank)
     error: BaseException | None = None
     state: dict[str, Any] = {}

@@ -342,7 +342,7 @@ class Watchdog(threading.Thread):
         # Every member acknowledges a round when, and only when, a request in it is still
         # to be admitted: a round that one member would wait for, all complete.
         if elastic.pending_joiners(self._jobs, el, note=False):
-            elastic.acknowledge(el, self._jobs, self._generation, self._rank, joins)
+            elastic.acknowledge(rt, el, self._jobs, self._generation, self._rank, joins)
         self._joins_known = joins
 
     # -- records written by others ----------------------------------------------------------
