@@ -458,9 +458,16 @@ def rejoin_trials(
             timeline = events[members[0]["pid"]]
             if (done := _steps_done(timeline, requested)) is not None:
                 waited = j["step"] - 1 - done
-            # From the moment the last member's watchdog had seen and acknowledged it.
-            if acked and (done := _steps_done(timeline, max(acked))) is not None:
-                waited_seen = j["step"] - 1 - done
+        # From the moment the members saw it: each acknowledged it with its committed
+        # step count (the step in flight then is the next one), exact where the logged
+        # step times come after the optimizer step.
+        seen_at = [
+            int(r["join"]["acked_step"])
+            for r in members
+            if (r["join"] or {}).get("acked_step") is not None
+        ]
+        if seen_at:
+            waited_seen = j["step"] - 1 - max(seen_at)
         trial = {
             "index": j["index"],
             "ready_to_first_step_s": round(j["first_step"] - requested, 4),
