@@ -1128,6 +1128,177 @@ def _fw_launcher(r: dict[str, Any]) -> str:
     return f"exit code {r['exit_code']}, {r['wall_s']:.0f} s"
 
 
+@renderer("control_plane")
+def render_control_plane(data: dict[str, Any]) -> list[str]:
+    plan = data.get("plan", {})
+    lines = [
+        f"W virtual ranks, each a real `Runtime` with its own `Watchdog` thread and store "
+        f"connection, {plan.get('processes', '?')} worker processes holding W/"
+        f"{plan.get('processes', '?')} each, {plan.get('per_host', '?')} per virtual host; "
+        "one TCPStore (loopback) in a process of its own, so that its CPU is its own. "
+        f"`heartbeat_interval={plan.get('heartbeat_interval_s', '?')} s`, "
+        f"`heartbeat_timeout={plan.get('heartbeat_timeout_s', '?')} s`. The data plane is "
+        "left out. Requests and bytes are counted at the clients (every control-plane "
+        "call goes through `ControlPlane._call`); the store's CPU is read from "
+        "`/proc/<pid>/stat`.",
+        "",
+        f"**Healthy path** ({plan.get('healthy_s', '?')} s):",
+        "",
+    ]
+    rows = []
+    for r in data.get("rows", []):
+        h = r["healthy"]
+        rows.append(
+            [
+                str(r["world"]),
+                f"{r['start_s']:g}",
+                f"{h['requests_per_s']:,.0f}",
+                f"{h['requests_per_rank_per_s']:.2f}",
+                f"{h['read_bytes_per_s'] / 1024:,.0f}",
+                f"{h['written_bytes_per_s'] / 1024:,.0f}",
+                f"{100 * h['store_cpu_fraction']:.1f}",
+                f"{h['store_cpu_us_per_request']:.1f}",
+                f"{100 * h['beats_achieved_fraction']:.0f}",
+                str(h.get("false_reports", "?")),
+            ]
+        )
+    lines += md_table(
+        [
+            "W",
+            "start-up s",
+            "requests/s",
+            "per rank per s",
+            "read KiB/s",
+            "written KiB/s",
+            "store CPU %",
+            "store CPU µs/request",
+            "heartbeats achieved %",
+            "false reports",
+        ],
+        rows,
+        align="rrrrrrrrrr",
+    )
+    lines += [
+        "",
+        "**A dead rank** (its watchdog stops: its heartbeat freezes, as a killed host's "
+        "does). First report: from the stop to its ring predecessor's report (after "
+        "`heartbeat_timeout`). Spread: from that report until each other rank has it. "
+        "Bytes: read per rank beyond the healthy path's reads in the same time.",
+        "",
+    ]
+    rows = []
+    for r in data.get("rows", []):
+        d = r["dead"]
+        rows.append(
+            [
+                str(r["world"]),
+                f"{d['detected_by']} / {d['of']}",
+                _s(d.get("first_report_s")),
+                _s(d.get("spread_median_s")),
+                _s(d.get("spread_max_s")),
+                _s(d.get("all_known_s")),
+                f"{d['read_bytes_per_rank']:,}",
+            ]
+        )
+    lines += md_table(
+        [
+            "W",
+            "ranks that know",
+            "first report s",
+            "spread median s",
+            "spread max s",
+            "all know s",
+            "bytes read per rank",
+        ],
+        rows,
+        align="rrrrrrr",
+    )
+    lines.append("")
+    lines += _control_plane_reading(data)
+    lines += _targets(_control_plane_targets(data))
+    return lines
+
+
+def _control_plane_reading(data: dict[str, Any]) -> list[str]:
+    """What the rows say against issue 16's goals (the targets are computed here, from the
+    rows, so that a run of any subset of W renders)."""
+    rows = data.get("rows", [])
+    if not rows:
+        return []
+    big = max(rows, key=lambda r: r["world"])
+    per_rank = [r["healthy"]["requests_per_rank_per_s"] for r in rows]
+    us = big["healthy"]["store_cpu_us_per_request"]
+    cpu_4096 = us * 1e-6 * per_rank[-1] * 4096
+    return [
+        f"Reading these figures: on the healthy path each rank makes "
+        f"{min(per_rank):.2f}-{max(per_rank):.2f} store requests per second whatever W (2 "
+        f"per heartbeat: its state, and one `multi_get` of the event counters and the two "
+        f"ranks it watches); at W={big['world']} that is {big['healthy']['requests_per_s']:,.0f}"
+        f" requests/s and {100 * big['healthy']['store_cpu_fraction']:.1f} % of one core "
+        f"for the store ({us:.0f} µs a request). At W=4096 that extrapolates to "
+        f"{per_rank[-1] * 4096:,.0f} requests/s and {100 * cpu_4096:.0f} % of a core (not run: "
+        f"start-up, one TCP connection per rank and purpose, took {big['start_s']:g} s at "
+        f"W={big['world']} here). A dead rank is reported by its ring predecessor after "
+        "`heartbeat_timeout` and known everywhere at the next heartbeat of each rank; the "
+        "failure costs each rank a few hundred bytes, so the whole failure is O(W) traffic. "
+        "A simulation on 2 cores says how the store's load grows with W and what one "
+        "request costs the store here; it cannot say what a real network adds, nor what "
+        "the clients cost (here they share the 2 cores with the store). Not measured yet: "
+        "a stuck rank (every survivor diagnoses it, reading every state), a shrink "
+        "decision, and two adjacent hosts failing together.",
+        "",
+    ]
+
+
+def _control_plane_targets(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 16's goals against the rows (computed here, so that any subset of W renders)."""
+    rows = data.get("rows", [])
+    if not rows:
+        return []
+    interval = float(data.get("plan", {}).get("heartbeat_interval_s", 0.5))
+    big = max(rows, key=lambda r: r["world"])
+    small = min(rows, key=lambda r: r["world"])
+    per_rank = [r["healthy"]["requests_per_rank_per_s"] for r in rows]
+    us = big["healthy"]["store_cpu_us_per_request"]
+    cpu_4096 = us * 1e-6 * per_rank[-1] * 4096
+    spread = max((r["dead"].get("spread_max_s") or float("inf")) for r in rows)
+    bytes_small = small["dead"]["read_bytes_per_rank"]
+    bytes_big = big["dead"]["read_bytes_per_rank"]
+    return [
+        {
+            "target": "Healthy path: store requests per rank per second independent of W",
+            "met": max(per_rank) <= 1.1 * min(per_rank),
+            "measured": f"{min(per_rank):.2f}-{max(per_rank):.2f} for W = "
+            + ", ".join(str(r["world"]) for r in rows),
+        },
+        {
+            "target": "The store's CPU stated for W = 4096",
+            "met": True,
+            "measured": f"{100 * cpu_4096:.0f} % of a core, extrapolated from W={big['world']} "
+            f"({us:.0f} µs a request)",
+        },
+        {
+            "target": "A failure costs O(W) store traffic in total (constant per rank)",
+            "met": bytes_big <= 2 * max(bytes_small, 1),
+            "measured": f"{bytes_small:,} bytes per rank at W={small['world']}, "
+            f"{bytes_big:,} at W={big['world']} (a dead rank; a stuck one not measured)",
+        },
+        {
+            "target": f"Dead rank known on every rank within heartbeat_interval + 1 s "
+            f"({interval + 1:g} s) of its report",
+            "met": spread <= interval + 1,
+            "measured": f"worst {spread:.2f} s over W = "
+            + ", ".join(str(r["world"]) for r in rows),
+        },
+        {
+            "target": "Shrink decided within 2 s; a stuck rank named within op_timeout + 2 s; "
+            "two adjacent hosts failing together detected within heartbeat_timeout",
+            "met": False,
+            "measured": "not measured yet",
+        },
+    ]
+
+
 @renderer("frameworks")
 def render_frameworks(data: dict[str, Any]) -> list[str]:
     setup = data.get("setup", {})

@@ -1,0 +1,389 @@
+"""The control plane as the world grows: W virtual ranks running the library's real
+watchdog code (heartbeats, the watch ring, failure reports, their propagation) against
+one real TCPStore, the data plane left out.
+
+Each virtual rank is a ``Runtime`` with its own ``Watchdog`` thread and store connection,
+as in a real rank; ``PROCESSES`` worker processes hold ``W / PROCESSES`` of them each, and
+the store lives in a process of its own that does nothing else, so its CPU is measured
+alone. Virtual ranks are placed ``PER_HOST`` to a virtual host: the pid checks a rank
+makes on the peers of its own host are off (co-located virtual ranks share a pid), so
+every failure is found the cross-host way, by a heartbeat that stops changing.
+
+Per W:
+
+1. **Healthy path** (``HEALTHY_S`` seconds): store requests per second (counted at the
+   clients, in ``ControlPlane._call``), bytes read and written, the store process's CPU
+   (``/proc/<pid>/stat``), and the heartbeats achieved against the nominal
+   ``W / heartbeat_interval`` per second (a store or clients that cannot keep up show
+   here first).
+2. **A dead rank**: one virtual rank's watchdog stops (its heartbeat freezes, as a killed
+   host's does). Measured: the time to the first report (its ring predecessor, after
+   ``heartbeat_timeout``), then the time from that report until every other virtual rank
+   has it recorded (``Runtime.failures``), and the store bytes read per rank meanwhile.
+
+What a simulation on 2 cores can say: the store's load, in requests and bytes, and how
+it grows with W are the library's, whatever the machine; the CPU a TCPStore needs per
+request is this machine's. What it cannot say: the network (all of it is loopback), and
+the clients' CPU, which here share 2 cores with the store, while in a job each rank has
+its own. The slow paths that only a stuck rank takes (every survivor diagnosing it) are
+not measured yet.
+
+Usage::
+
+    python benchmarks/bench_control_plane.py                 # W = 16 .. 1024, ~3 minutes
+    python benchmarks/bench_control_plane.py --worlds 4096   # one W
+    python benchmarks/bench_control_plane.py --quick         # W = 16 and 64, short phases
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_collectives import _loadavg, result_header  # noqa: E402 - one header for all
+
+NAME = "control_plane"
+TITLE = "The control plane as the world grows (simulated ranks, one TCPStore)"
+DEFAULT_OUT = HERE / "results" / f"{NAME}.json"
+QUICK_OUT = HERE / "results" / "quick" / f"{NAME}.json"
+WORLDS = (16, 64, 256, 1024)
+QUICK_WORLDS = (16, 64)
+PROCESSES = 2  # worker processes holding the virtual ranks (the machine has 2 cores)
+PER_HOST = 8  # virtual ranks per virtual host
+INTERVAL_S = 0.5  # heartbeat_interval: the library's default
+TIMEOUT_S = 3.0  # heartbeat_timeout (default 15 s): shorter, so that a trial is short
+HEALTHY_S = 10.0
+QUICK_HEALTHY_S = 3.0
+SPREAD_CAP_S = 30.0  # a report not everywhere after this long counts as not propagated
+
+
+def _config() -> Any:
+    import resilient_ddp as rd
+
+    return rd.ResilienceConfig(
+        heartbeat_interval=timedelta(seconds=INTERVAL_S),
+        heartbeat_timeout=timedelta(seconds=TIMEOUT_S),
+        # Rank 0's straggler check reads every state: not part of the path measured.
+        straggler_interval=timedelta(hours=1),
+    )
+
+
+# -- the store process --------------------------------------------------------------------------
+def serve(port_q: Any, stop: Any) -> None:
+    """Host the store (loopback) until ``stop`` is set; do nothing else."""
+    from resilient_ddp import _control as ctl
+
+    store = ctl.serve_store("127.0.0.1")
+    port_q.put((os.getpid(), store.port))
+    stop.wait()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- a worker process: its share of the virtual ranks -------------------------------------------
+class _Counts:
+    """Store requests and bytes, per thread name, counted in ``ControlPlane._call``."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+        self.lock = threading.Lock()
+
+    def total(self) -> list[int]:
+        with self.lock:
+            rows = list(self.by_thread.values())
+        return [sum(r[i] for r in rows) for i in range(3)]
+
+
+def _count_calls(counts: _Counts) -> None:
+    from resilient_ddp import _control as ctl
+
+    original = ctl.ControlPlane._call
+
+    def counting(fn: Any, *args: Any) -> Any:
+        result = original(fn, *args)
+        name = getattr(fn, "__name__", "")
+        if name == "set_timeout":
+            return result  # local to the client
+        got = put = 0
+        if name == "get":
+            got = len(result)
+        elif name == "multi_get":
+            got = sum(len(v) for v in result)
+        elif name in ("set", "append", "compare_set") and len(args) >= 2:
+            put = len(args[-1])
+        with counts.lock:
+            row = counts.by_thread[threading.current_thread().name]
+            row[0] += 1
+            row[1] += got
+            row[2] += put
+        return result
+
+    ctl.ControlPlane._call = staticmethod(counting)  # type: ignore[method-assign]
+
+
+def worker(port: int, ranks: list[int], world: int, cmd_q: Any, out_q: Any) -> None:
+    """Start virtual ranks ``ranks`` of ``world``, then answer the parent's commands."""
+    import torch.distributed as dist
+
+    from resilient_ddp import _control as ctl
+    from resilient_ddp import _runtime
+    from resilient_ddp._runtime import Runtime
+    from resilient_ddp.watchdog import Watchdog
+
+    _runtime.arm_exit_guard = lambda: None  # a recorded failure must not end this process
+    ctl.serves_port = lambda port: False  # type: ignore[assignment] - no rank hosts it
+    counts = _Counts()
+    _count_calls(counts)
+    cfg = _config()
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    root = ctl.root_prefix(base, "bench", "secret")
+    rts: dict[int, Any] = {}
+    for r in ranks:
+        rt = Runtime(rank=r, world_size=world, backend="gloo", control_root=root, config=cfg)
+        # Another (virtual) host's process for the pid checks: none made.
+        rt.identity.update(host=f"vh{r // PER_HOST}", start=None, hosts_store=False)
+        rt.control.publish_info(r, rt.identity)
+        rts[r] = rt
+    if 0 in rts:
+        rts[0].control.init_counters()
+    for rt in rts.values():
+        rt.control.publish_state(rt.rank, rt.snapshot(0))
+    base.add("bench/ready", len(ranks))
+    while int(base.add("bench/ready", 0)) < world:
+        time.sleep(0.05)
+    first = next(iter(rts.values()))
+    infos = first.control.read_infos(list(range(world)))
+    detected: dict[int, float] = {}
+    for rt in rts.values():
+        rt.infos = infos
+        record = rt.record_events
+
+        def wrapped(events: Any, rt: Any = rt, record: Any = record) -> None:
+            record(events)
+            if rt.failures and rt.rank not in detected:
+                detected[rt.rank] = time.time()
+
+        rt.record_events = wrapped
+        rt.watchdog = Watchdog(rt)  # connects: seconds for many ranks
+    # Every process's watchdogs start together: a peer whose heartbeats begin seconds
+    # later would look dead.
+    base.add("bench/armed", len(ranks))
+    while int(base.add("bench/armed", 0)) < world:
+        time.sleep(0.01)
+    for rt in rts.values():
+        rt.control.publish_state(rt.rank, rt.snapshot(0))
+        rt.watchdog.start()
+    out_q.put(("started", os.getpid(), len(ranks)))
+    for cmd, arg in iter(cmd_q.get, None):
+        if cmd == "kill" and arg in rts:
+            t = time.time()
+            rts[arg].watchdog.stop(timeout=5.0)
+            out_q.put(("killed", arg, t))
+        elif cmd == "report":
+            out_q.put(
+                (
+                    "report",
+                    os.getpid(),
+                    {
+                        "counts": counts.total(),
+                        "beats": sum(rt.watchdog._beat for rt in rts.values()),
+                        "detected": dict(detected),
+                        "first_report": {
+                            r: min(float(ev.get("t", 0)) for ev in rt.failures)
+                            for r, rt in rts.items()
+                            if rt.failures
+                        },
+                        "threads": threading.active_count(),
+                    },
+                )
+            )
+    for rt in rts.values():
+        rt.watchdog.stop(timeout=1.0)
+    base.add("bench/done", 1)
+
+
+# -- the parent -----------------------------------------------------------------------------------
+def _reports(cmd_qs: list[Any], out_q: Any) -> list[dict[str, Any]]:
+    for q in cmd_qs:
+        q.put(("report", None))
+    got = []
+    while len(got) < len(cmd_qs):
+        kind, *rest = out_q.get(timeout=120)
+        if kind == "report":
+            got.append(rest[1])
+    return got
+
+
+def _sum(reports: list[dict[str, Any]], i: int) -> int:
+    return sum(int(r["counts"][i]) for r in reports)
+
+
+def _healthy(
+    cmd_qs: list[Any], out_q: Any, server_pid: int, world: int, healthy_s: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The healthy path's figures, and the workers' reports at its end."""
+    before, cpu0, t0 = _reports(cmd_qs, out_q), _cpu_s(server_pid), time.monotonic()
+    time.sleep(healthy_s)
+    after, cpu1, t1 = _reports(cmd_qs, out_q), _cpu_s(server_pid), time.monotonic()
+    span = t1 - t0
+    requests = _sum(after, 0) - _sum(before, 0)
+    beats = sum(r["beats"] for r in after) - sum(r["beats"] for r in before)
+    healthy = {
+        # Failures recorded by then: a healthy path must have none.
+        "false_reports": sum(len(r["detected"]) for r in after),
+        "seconds": round(span, 2),
+        "requests_per_s": round(requests / span, 1),
+        "requests_per_rank_per_s": round(requests / span / world, 3),
+        "read_bytes_per_s": round((_sum(after, 1) - _sum(before, 1)) / span),
+        "written_bytes_per_s": round((_sum(after, 2) - _sum(before, 2)) / span),
+        "store_cpu_fraction": round((cpu1 - cpu0) / span, 3),
+        "store_cpu_us_per_request": round((cpu1 - cpu0) / max(requests, 1) * 1e6, 1),
+        "beats_achieved_fraction": round(beats / (world * span / INTERVAL_S), 3),
+    }
+    return healthy, after
+
+
+def _dead(
+    cmd_qs: list[Any],
+    out_q: Any,
+    world: int,
+    after: list[dict[str, Any]],
+    read_rate: float,
+) -> dict[str, Any]:
+    """Stop one virtual rank's watchdog (in the middle of a virtual host): how its failure
+    is reported and spreads; ``read_rate`` is the healthy path's bytes read per second."""
+    victim = world // 2 + 1
+    reads0, t_reads0 = _sum(after, 1), time.monotonic()
+    for q in cmd_qs:
+        q.put(("kill", victim))
+    t_kill = None
+    while t_kill is None:
+        kind, *rest = out_q.get(timeout=60)
+        if kind == "killed":
+            t_kill = float(rest[1])
+    deadline = time.monotonic() + TIMEOUT_S + SPREAD_CAP_S
+    while True:
+        time.sleep(0.5)
+        reps = _reports(cmd_qs, out_q)
+        detected = {int(r): t for rep in reps for r, t in rep["detected"].items()}
+        if len(detected) >= world - 1 or time.monotonic() > deadline:
+            break
+    firsts = [t for rep in reps for t in rep["first_report"].values()]
+    first = min(firsts) if firsts else None
+    latencies = sorted(t - t_kill for r, t in detected.items() if r != victim)
+    return {
+        "victim": victim,
+        "detected_by": len(latencies),
+        "of": world - 1,
+        "first_report_s": round(first - t_kill, 3) if first else None,
+        "spread_median_s": round(statistics.median(latencies) - (first - t_kill), 3)
+        if latencies and first
+        else None,
+        "spread_max_s": round(latencies[-1] - (first - t_kill), 3) if latencies and first else None,
+        "all_known_s": round(latencies[-1], 3) if len(latencies) == world - 1 else None,
+        # Beyond what the healthy path reads in the same time.
+        "read_bytes_per_rank": round(
+            (_sum(reps, 1) - reads0 - read_rate * (time.monotonic() - t_reads0)) / world
+        ),
+        "threads_per_process": max(rep["threads"] for rep in reps),
+    }
+
+
+def measure(world: int, healthy_s: float) -> dict[str, Any]:
+    """One W: the healthy path, then a dead rank."""
+    ctx = mp.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=serve, args=(port_q, stop), daemon=True)
+    server.start()
+    server_pid, port = port_q.get(timeout=60)
+    out_q = ctx.Queue()
+    shares = [list(range(world))[i::PROCESSES] for i in range(PROCESSES)]
+    cmd_qs = [ctx.Queue() for _ in shares]
+    procs = [
+        ctx.Process(target=worker, args=(port, share, world, q, out_q), daemon=True)
+        for share, q in zip(shares, cmd_qs, strict=True)
+    ]
+    t_start = time.monotonic()
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            kind, *_rest = out_q.get(timeout=600)
+            assert kind == "started", kind
+        started_s = time.monotonic() - t_start
+        time.sleep(2 * INTERVAL_S)  # every watchdog has ticked
+        healthy, after = _healthy(cmd_qs, out_q, server_pid, world, healthy_s)
+        dead = _dead(cmd_qs, out_q, world, after, healthy["read_bytes_per_s"])
+        return {"world": world, "start_s": round(started_s, 1), "healthy": healthy, "dead": dead}
+    finally:
+        for q in cmd_qs:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        stop.set()
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test (W = 16, 64)")
+    parser.add_argument("--worlds", type=int, nargs="+", help=f"the W to run ({WORLDS})")
+    parser.add_argument("--out", type=Path, help="where to write the JSON")
+    args = parser.parse_args(argv)
+    worlds = args.worlds or (QUICK_WORLDS if args.quick else WORLDS)
+    healthy_s = QUICK_HEALTHY_S if args.quick else HEALTHY_S
+    out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
+    load_before = _loadavg()
+    t0 = time.perf_counter()
+    rows = []
+    print(TITLE, flush=True)
+    for w in worlds:
+        row = measure(w, healthy_s)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    command = "python benchmarks/bench_control_plane.py" + (" --quick" if args.quick else "")
+    if args.worlds:
+        command += " --worlds " + " ".join(map(str, args.worlds))
+    result = {
+        **result_header(NAME, TITLE, command, quick=args.quick, seconds=time.perf_counter() - t0),
+        "load_before": load_before,
+        "load_after": _loadavg(),
+        "plan": {
+            "processes": PROCESSES,
+            "per_host": PER_HOST,
+            "heartbeat_interval_s": INTERVAL_S,
+            "heartbeat_timeout_s": TIMEOUT_S,
+            "healthy_s": healthy_s,
+        },
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
