@@ -428,6 +428,14 @@ class ControlPlane:
         (another process overwrote it) is left out."""
         return self._multi_get_json([f"state/{r}" for r in ranks], ranks)
 
+    def finish_inference(self, call: int) -> int:
+        """Count this rank finished with inference call ``call``; how many have now."""
+        return int(self._call(self.store.add, f"inf/{call}/done", 1))
+
+    def inference_finished(self, call: int) -> int:
+        """How many ranks finished with inference call ``call``."""
+        return int(self._call(self.store.add, f"inf/{call}/done", 0))
+
     def has_info(self, rank: int) -> bool:
         return self._call(self.store.check, [f"info/{rank}"])  # type: ignore[no-any-return]
 

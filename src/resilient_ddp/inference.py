@@ -141,6 +141,11 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
     unfinished rank whose count (from its heartbeat) stays the same for ``timeout`` is
     named with its stack, as a collective would name it.
 
+    The store load does not grow with the world twice over: each finished rank counts
+    itself on one counter and the waiting ranks read that counter; only the first rank to
+    finish reads the heartbeats of the ranks still at work (to tell slow from stuck), and
+    its verdict reaches the others as a failure report.
+
     Raises:
         CollectiveTimeoutError: An unfinished rank made no progress for ``timeout``.
         RankFailureError: A rank crashed, raised or left meanwhile.
@@ -149,26 +154,27 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
     try:
         if rt.watchdog is not None:
             rt.watchdog.poke()  # publish this rank's final count now, not at the next beat
+        call, world = rt.inference_calls, rt.world_size
+        finished = rt.control.finish_inference(call)
+        watcher = finished == 1
         interval = min(0.1, rt.config.heartbeat_interval.total_seconds())
         seen: dict[int, tuple[int, float]] = {}
-        ranks = list(range(rt.world_size))
-        while True:
+        pending = [r for r in range(world) if r != rt.rank]
+        while finished < world:
             if rt.failed_for(o.seq):
                 raise rt.build_error(o.name, o.seq)
-            states = rt.control.read_states(ranks)
-            now = time.monotonic()
-            pending = []
-            for r in ranks:
-                done = _done(states.get(r, {}), rt.inference_calls)
-                if done < shares[r]:
-                    pending.append(r)
+            if watcher:
+                states = rt.control.read_states(pending)
+                now = time.monotonic()
+                for r in pending:
+                    done = _done(states.get(r, {}), call)
                     if seen.get(r, (-1, 0.0))[0] != done:
                         seen[r] = (done, now)
-            if not pending:
-                return
-            if any(now - seen[r][1] > o.attempt_s for r in pending):
-                o.raise_timeout(rt.diagnose(rt.control, o.name, o.seq))
+                pending = [r for r in pending if seen[r][0] < shares[r]]
+                if any(now - seen[r][1] > o.attempt_s for r in pending):
+                    o.raise_timeout(rt.diagnose(rt.control, o.name, o.seq))
             time.sleep(interval)
+            finished = rt.control.inference_finished(call)
     finally:
         o.end()
 
