@@ -779,7 +779,8 @@ class Runtime:
     def diagnose(self, control: ctl.ControlPlane, name: str, seq: int) -> list[dict[str, Any]]:
         """Find the ranks that keep op ``seq`` from completing, asking each for its stack.
 
-        Blocks at most ``config.diagnosis_timeout`` (polling the store every 50 ms).
+        Blocks at most ``config.diagnosis_timeout`` (polling the store every 50 ms for the
+        ranks that have not answered yet).
         """
         others = [r for r in range(self.world_size) if r != self.rank]
         request = control.request_diagnosis()
@@ -801,7 +802,9 @@ class Runtime:
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-            states = control.read_states(others)
+            # Only the ranks that have not answered: with every survivor of a stuck rank
+            # diagnosing at once, re-reading all W states each round made W^2 reads a round.
+            states.update(control.read_states([r for r in others if r not in answers]))
         culprits: list[dict[str, Any]] = []
         verdicts: dict[int, dg.Verdict] = {}
         ops: dict[int, str] = {}  # what the others issued at seq, for the majority rule
