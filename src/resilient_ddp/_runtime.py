@@ -874,6 +874,14 @@ class Runtime:
             int(info.get("pid", 0)), info.get("start")
         )
 
+    def culprit(self, rank: int, what: str) -> Culprit:
+        """``rank`` as a culprit that ``what`` describes, with the host and pid it
+        published at start-up."""
+        info = self.infos.get(rank, {})
+        return Culprit(
+            rank=rank, host=str(info.get("host", "?")), pid=int(info.get("pid", 0)), what=what
+        )
+
     def store_host_culprit(self) -> Culprit | None:
         """With the control plane lost: the rank that hosted the store, if one did, and
         what became of it as far as this host can see."""
@@ -887,7 +895,7 @@ class Runtime:
                 what = "is stopped (SIGSTOP or a debugger)"
             else:
                 what = "stopped answering"
-            return Culprit(rank=r, host=str(info.get("host", "?")), pid=pid, what=what)
+            return self.culprit(r, what)
         return None
 
     def unreachable_ranks(self) -> list[Culprit]:
@@ -895,12 +903,7 @@ class Runtime:
         (from the identities read at start-up)."""
         me = self.identity["host"]
         return [
-            Culprit(
-                rank=r,
-                host=str(info.get("host", "?")),
-                pid=int(info.get("pid", 0)),
-                what=f"unreachable from host {me} (the control-plane store does not answer)",
-            )
+            self.culprit(r, f"unreachable from host {me} (the control-plane store does not answer)")
             for r, info in sorted(self.infos.items())
             if r != self.rank and info.get("host") != me
         ]

@@ -60,7 +60,7 @@ from . import _elastic_protocol as proto
 from . import _events
 from ._elastic_protocol import ElasticParticipant
 from ._runtime import RECOVERY_PHASE, Runtime, phase
-from .errors import ControlPlaneError, Culprit, RankFailureError
+from .errors import ControlPlaneError, RankFailureError
 
 __all__ = ["ElasticParticipant", "register_elastic_participant"]
 
@@ -69,6 +69,7 @@ log = logging.getLogger("resilient_ddp")
 JOINER_ENV = "RESILIENT_DDP_JOINER"
 UID_ENV = "RESILIENT_DDP_UID"
 _POLL_S = 0.005
+_RECHECK_S = 0.1  # while waiting for acknowledgements: how often the requests are re-read
 # The heartbeat phase of a rank that sends or receives an admission's state: busy, not
 # missing, however long a large state takes.
 TRANSFER_PHASE = "state transfer"
@@ -94,7 +95,7 @@ class Elastic:
     # Acknowledgements come from the watchdog and from the training thread: one at a time,
     # so that what is posted and first_ack agree.
     ack_lock: threading.Lock = field(default_factory=threading.Lock)
-    first_ack_t = 0.0  # time.time() of that first acknowledgement
+    first_ack_t: float = 0.0  # time.time() of that first acknowledgement
     acks_seen: set[int] = field(default_factory=set)  # request counts acked this generation
     grow: dict[str, Any] | None = None  # the admission decision for this generation
     received: dict[str, Any] | None = None  # joiner: state received at admission
@@ -933,6 +934,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     jobs = _jobs(rt.control_root)
     key = f"grow/g{rt.generation}"
     round_n, deadline = -1, 0.0  # the round waited for, and until when
+    recheck = 0.0  # when the pending requests are read again while waiting
     while True:
         taken = jobs.decision(key)
         if taken is not None:
@@ -950,17 +952,31 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         first_gen, first_c = el.first_ack
         if first_gen == rt.generation and el.committed <= first_c:
             return False  # no admission can be at this boundary
-        if not pending_joiners(jobs, el):
+        now = time.monotonic()
+        if now >= recheck:
             # Nothing left to admit (a joiner gave up or was admitted): no member can decide
             # from this round any more, since the decider reads the pending requests after
-            # the round completed (they only leave the list).
-            return False
+            # the round completed (they only leave the list). Read every _RECHECK_S, not
+            # every poll: it reads the whole request log.
+            if not pending_joiners(jobs, el):
+                return False
+            recheck = now + _RECHECK_S
         if round_n != n:
-            round_n, deadline = n, time.monotonic() + _form_timeout(rt.config)
+            round_n, deadline = n, now + _form_timeout(rt.config)
         rt.raise_if_failed("forward", rt.seq + 1)
         if time.monotonic() >= deadline:
             raise _unacknowledged(rt, jobs, n)
         time.sleep(_POLL_S)
+    return _decide(rt, el, jobs, key, bound)
+
+
+def _decide(rt: Runtime, el: Elastic, jobs: ctl.JobStore, key: str, bound: int) -> bool:
+    """Every member acknowledged, the largest count being ``bound``: propose the admission
+    of the pending joiners under ``key`` and keep the decision taken (``el.grow``).
+
+    Returns:
+        Whether a decision holds (False: nothing is pending any more).
+    """
     pending = pending_joiners(jobs, el)
     if not pending:
         _stop_looking(rt, el)
@@ -990,16 +1006,11 @@ def _unacknowledged(rt: Runtime, jobs: ctl.JobStore, n: int) -> Exception:
             "an acknowledgement of the join requests in the control-plane store is not a "
             "valid record: a process outside the job writes to its store"
         )
-    culprits = [
-        Culprit(
-            rank=r,
-            host=str(rt.infos.get(r, {}).get("host", "?")),
-            pid=int(rt.infos.get(r, {}).get("pid", 0)),
-            what=f"did not acknowledge {n} join request(s) within "
-            f"{_form_timeout(rt.config):.1f} s (its watchdog does not run?)",
-        )
-        for r in missing
-    ]
+    what = (
+        f"did not acknowledge {n} join request(s) within {_form_timeout(rt.config):.1f} s "
+        "(its watchdog does not run?)"
+    )
+    culprits = [rt.culprit(r, what) for r in missing]
     return rt.notify_failure(
         RankFailureError(
             f"rank(s) {missing} did not acknowledge the join requests: the admission step "
