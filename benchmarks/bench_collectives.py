@@ -373,8 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "targets": targets,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(out, result)
     print(f"wrote {_display(out)}")
     return 0
 
@@ -398,6 +397,12 @@ def result_header(
         "seconds": round(seconds, 1),
         "machine": machine_info() if machine is None else machine,
     }
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    """Write a benchmark's JSON result to ``out`` (its folder made if need be)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 def _loadavg() -> list[float] | None:

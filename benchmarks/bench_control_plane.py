@@ -52,7 +52,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_collectives import _loadavg, result_header  # noqa: E402 - one header for all
+from bench_collectives import _loadavg, result_header, write_result  # noqa: E402 - one for all
 
 NAME = "control_plane"
 TITLE = "The control plane as the world grows (simulated ranks, one TCPStore)"
@@ -379,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(out, result)
     print(f"wrote {out}")
     return 0
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_collectives import result_header  # one header for every bench
+from bench_collectives import result_header, write_result  # one header for every bench
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -148,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "targets": targets,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(out, result)
     print(f"total {elapsed:.1f} s; wrote {out}")
     return 0
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import os
 import re
 import signal
@@ -54,7 +53,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # tests/: the scripts and the launch helpers of the tests
-from bench_collectives import _loadavg, machine_info, result_header  # noqa: E402 - one header
+from bench_collectives import (  # noqa: E402 - one header
+    _loadavg,
+    machine_info,
+    result_header,
+    write_result,
+)
 from tests import _launcher_workers as lw  # noqa: E402 - needs the path above
 from tests._procs import kill_named, wait_for  # noqa: E402
 
@@ -486,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_rows": step_rows,
         "fault_rows": fault_rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(out, result)
     print(f"total {elapsed:.1f} s; wrote {out}")
     return 0
 

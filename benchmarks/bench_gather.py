@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import resource
 import statistics
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_collectives import result_header  # one header for every bench
+from bench_collectives import result_header, write_result  # one header for every bench
 
 import resilient_ddp as rd
 
@@ -185,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "targets": targets,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(out, result)
     print(f"wrote {out}")
     return 0
 
