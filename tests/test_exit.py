@@ -238,3 +238,63 @@ def test_armed_guard_keeps_the_interpreters_code(
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_exit_waits_until_no_gloo_worker_is_runnable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At exit the library waits, with the GIL released, until gloo's workers have been seen
+    idle twice in a row: a worker preempted right after completing an op still has to free
+    the op's tensors under the GIL, and during finalization that aborts the process."""
+    from resilient_ddp import process_group as pg
+
+    seen = iter([1, 1, 0, 1, 0, 0, 1])
+    calls: list[int] = []
+
+    def fake() -> int:
+        calls.append(1)
+        return next(seen)
+
+    monkeypatch.setattr(pg, "_runnable_backend_threads", fake)
+    assert pg._let_backend_threads_settle(5.0) is True
+    assert len(calls) == 6  # not before two quiet samples in a row
+
+    monkeypatch.setattr(pg, "_runnable_backend_threads", lambda: 1)
+    t0 = time.monotonic()
+    assert pg._let_backend_threads_settle(0.2) is False  # a bound, not a hang
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_a_busy_thread_named_as_gloos_worker_is_counted_runnable() -> None:
+    """The count reads each thread's name and state from /proc: a thread named as gloo's
+    worker that computes without the GIL is seen runnable, and no longer once it ended."""
+    import ctypes
+    import hashlib
+    import threading
+
+    from resilient_ddp import process_group as pg
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    stop = threading.Event()
+
+    def busy() -> None:
+        libc.prctl(15, b"pt_gloo_runloop", 0, 0, 0)  # PR_SET_NAME
+        data = bytes(1 << 20)
+        while not stop.is_set():
+            hashlib.sha256(data).digest()  # hashes without the GIL
+
+    assert pg._runnable_backend_threads() == 0
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while pg._runnable_backend_threads() == 0:
+            assert time.monotonic() < deadline, "the busy worker was never seen runnable"
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
+    deadline = time.monotonic() + 10  # the OS thread ends a moment after join returns
+    while pg._runnable_backend_threads() != 0:
+        assert time.monotonic() < deadline, "an ended thread is still counted"
+        time.sleep(0.001)
