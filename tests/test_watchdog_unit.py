@@ -1,6 +1,7 @@
 """The watchdog's own errors, in one process: its tick and loop run against a real in-process
 store (``HashStore``, and a ``TCPStore`` the watchdog reaches over its own connection) with
-rank 0 watching a rank 1 that only this test writes for.
+rank 0 watching a rank 1 that only this test writes for. Also the pattern of who watches
+whom (``watch_targets``), on layouts of up to 1024 ranks, with no process at all.
 
 No test sleeps and hopes: a loop test waits for the watchdog thread to end (``join`` with a
 deadline), and the injected errors poke it so that each tick follows the last at once.
@@ -8,10 +9,11 @@ deadline), and the injected errors poke it so that each tick follows the last at
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +25,7 @@ from resilient_ddp import _runtime, watchdog
 from resilient_ddp._runtime import PendingOp, Runtime
 from resilient_ddp.config import ResilienceConfig
 from resilient_ddp.errors import ControlPlaneError, RankFailureError
-from resilient_ddp.watchdog import Watchdog, event_problem
+from resilient_ddp.watchdog import Watchdog, event_problem, watch_targets
 
 _JOIN_S = 30.0  # deadline for a watchdog thread that must end by itself (ends in < 1 s)
 
@@ -299,3 +301,153 @@ def test_event_problem_accepts_what_the_library_posts() -> None:
     assert event_problem({**timeout, "culprits": [culprit], "cls": "timeout"}) == ""
     left = {"kind": "left", "rank": 1, "reporter": 1, "final_seq": 3, "culprit": culprit}
     assert event_problem({**left, "secondary": False}) == ""
+
+
+# -- who watches whom ------------------------------------------------------------------------
+def _contiguous(*sizes: int) -> dict[int, str | None]:
+    """Ranks laid out host after host (as torchrun does): ``sizes[i]`` ranks on host i."""
+    hosts: dict[int, str | None] = {}
+    for i, n in enumerate(sizes):
+        hosts.update({len(hosts) + k: f"node-{i}" for k in range(n)})
+    return hosts
+
+
+def _round_robin(n_hosts: int, per_host: int) -> dict[int, str | None]:
+    """Rank r on host r % n_hosts."""
+    return {r: f"node-{r % n_hosts}" for r in range(n_hosts * per_host)}
+
+
+_LAYOUTS = {
+    "16 on 2x8": _contiguous(8, 8),
+    "64 on 8x8": _contiguous(*[8] * 8),
+    "1024 on 128x8": _contiguous(*[8] * 128),
+    "uneven 3,5,8,1": _contiguous(3, 5, 8, 1),
+    "uneven 2,1,3,1,2": _contiguous(2, 1, 3, 1, 2),
+    "3 hosts of 1": _contiguous(1, 1, 1),
+    "10 hosts of 1": _contiguous(*[1] * 10),
+    "1 host": _contiguous(4),
+    "1 rank": _contiguous(1),
+    "2 hosts, 1 rank on one": _contiguous(5, 1),
+    "round robin 4x3": _round_robin(4, 3),
+    "round robin 6x8": _round_robin(6, 8),
+}
+
+
+def _watchers(hosts: Mapping[int, str | None]) -> tuple[dict[int, list[int]], dict[int, set[int]]]:
+    """Each rank's watched ranks, and each rank's watchers (the world: up to the last rank
+    in ``hosts``)."""
+    world = max(hosts) + 1
+    watched = {r: watch_targets(r, world, hosts) for r in range(world)}
+    watchers: dict[int, set[int]] = {r: set() for r in range(world)}
+    for r, targets in watched.items():
+        for t in targets:
+            watchers[t].add(r)
+    return watched, watchers
+
+
+def _by_host(hosts: Mapping[int, str | None]) -> dict[str, set[int]]:
+    """Each known host's ranks, hosts in order of their smallest rank."""
+    members: dict[str, set[int]] = {}
+    for r in sorted(hosts):
+        host = hosts[r]
+        if host is not None:
+            members.setdefault(host, set()).add(r)
+    return members
+
+
+@pytest.mark.parametrize("hosts", _LAYOUTS.values(), ids=_LAYOUTS.keys())
+def test_every_rank_is_watched_by_another_and_none_watches_itself(
+    hosts: dict[int, str | None],
+) -> None:
+    watched, watchers = _watchers(hosts)
+    most = max(len(m) for m in _by_host(hosts).values())
+    for r, targets in watched.items():
+        assert r not in targets
+        assert targets == sorted(set(targets))
+        assert len(targets) <= 2 + 2 * most, f"rank {r} watches {len(targets)} ranks"
+    if len(hosts) > 1:
+        assert [r for r, w in watchers.items() if not w] == []
+
+
+@pytest.mark.parametrize("hosts", _LAYOUTS.values(), ids=_LAYOUTS.keys())
+def test_two_hosts_failing_together_leave_every_failed_rank_watched(
+    hosts: dict[int, str | None],
+) -> None:
+    members = _by_host(hosts)
+    if len(members) < 3:
+        pytest.skip("needs 3 hosts or more")
+    _, watchers = _watchers(hosts)
+    names = list(members)
+    adjacent = list(zip(names, names[1:] + names[:1], strict=True))
+    # Adjacent in the ordering (a rack), then, stronger, any two.
+    for a, b in adjacent + list(itertools.combinations(names, 2)):
+        dead = members[a] | members[b]
+        blind = sorted(r for r in dead if not watchers[r] - dead)
+        assert blind == [], f"hosts {a} and {b} fail: no survivor watches ranks {blind}"
+
+
+@pytest.mark.parametrize("hosts", _LAYOUTS.values(), ids=_LAYOUTS.keys())
+def test_each_host_is_watched_whole_from_two_other_hosts(hosts: dict[int, str | None]) -> None:
+    members = _by_host(hosts)
+    if len(members) < 3:
+        pytest.skip("needs 3 hosts or more")
+    watched, _ = _watchers(hosts)
+    for host, ranks in members.items():
+        whole = {hosts[r] for r, targets in watched.items() if ranks <= set(targets)}
+        assert len(whole - {host}) >= 2, f"{host} is watched whole from {whole}"
+
+
+def test_with_one_host_only_the_ring_is_watched() -> None:
+    hosts = _contiguous(5)
+    assert [watch_targets(r, 5, hosts) for r in range(5)] == [
+        [1, 2],
+        [2, 3],
+        [3, 4],
+        [0, 4],
+        [0, 1],
+    ]
+    assert watch_targets(0, 1, {0: "node-0"}) == []
+    assert watch_targets(0, 2, {0: "node-0", 1: "node-0"}) == [1]
+
+
+def test_with_two_hosts_two_ranks_of_each_watch_the_other_whole() -> None:
+    hosts = _contiguous(4, 4)
+    watched, _ = _watchers(hosts)
+    a, b = {0, 1, 2, 3}, {4, 5, 6, 7}
+    for host, other in ((a, b), (b, a)):
+        whole = [r for r in sorted(host) if other <= set(watched[r])]
+        assert len(whole) >= 2, f"{sorted(other)} is watched whole by {whole} only"
+    # As before this pattern: a two-host job of two ranks each watches the same ranks.
+    two = _contiguous(2, 2)
+    assert [watch_targets(r, 4, two) for r in range(4)] == [[1, 2, 3], [2, 3], [0, 1, 3], [0, 1]]
+
+
+def test_ranks_of_unknown_hosts_are_watched_by_the_ring() -> None:
+    hosts = _contiguous(*[4] * 4)
+    for r in (5, 6, 11):
+        hosts[r] = None
+    del hosts[12]  # no identity at all
+    watched, watchers = _watchers(hosts)
+    assert [r for r, w in watchers.items() if not w] == []
+    assert watched[5] == [6, 7]  # an unknown host watches the ring only
+    for r in (5, 6, 11, 12):
+        assert {(r - 1) % 16, (r - 2) % 16} <= watchers[r]
+    # The other ranks still have two other hosts watching them whole.
+    known = _by_host(hosts)
+    for host, ranks in known.items():
+        whole = {hosts[r] for r, targets in watched.items() if ranks <= set(targets)}
+        assert len(whole - {host, None}) >= 2
+
+
+def test_the_watchdog_watches_what_watch_targets_says(store: dist.Store) -> None:
+    """Rank 4 of 12, on the second of three hosts of 4 ranks: its own host is read from its
+    identity, the others' from the identities they published."""
+    config = ResilienceConfig(heartbeat_interval=timedelta(milliseconds=20))
+    rt = Runtime(rank=4, world_size=12, backend="gloo", control_root=store, config=config)
+    mine = rt.identity["host"]
+    hosts = {r: (mine if 4 <= r < 8 else f"other-{r // 4}") for r in range(12)}
+    rt.infos = {r: {"rank": r, "host": h, "pid": 1} for r, h in hosts.items()}
+    rt.infos[4] = dict(rt.identity)
+    wd = Watchdog(rt)
+    assert wd.watched == watch_targets(4, 12, hosts)
+    assert wd.watched == [5, 6, 8, 9, 10, 11]  # the ring, and the whole next host

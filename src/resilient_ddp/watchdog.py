@@ -1,13 +1,14 @@
 """Watchdog: one thread per rank that publishes its heartbeat and watches its peers.
 
 Each tick (every ``heartbeat_interval``) it makes two store round trips: it publishes this
-rank's state, and reads the event counter, the diagnosis counter and the state of the two
-ring successors it watches. It declares a watched rank dead when its heartbeat has not
-changed for ``heartbeat_timeout``, and a rank on the same host dead as soon as its process is
-gone. It fails every pending op when a failure is reported and, with NCCL, aborts the
-communicator so that kernels stuck on a dead peer are released. It never waits on the store
-for a key that may not exist (that would flood logs and block shutdown), and stops within
-one interval when asked.
+rank's state, and reads the event counter, the diagnosis counter and the state of the ranks
+it watches (see :func:`watch_targets`: its two ring successors and, on some ranks, every rank
+of a next host, so that each host is watched from two others). It declares a watched rank
+dead when its heartbeat has not changed for ``heartbeat_timeout``, and a rank on the same
+host dead as soon as its process is gone. It fails every pending op when a failure is
+reported and, with NCCL, aborts the communicator so that kernels stuck on a dead peer are
+released. It never waits on the store for a key that may not exist (that would flood logs
+and block shutdown), and stops within one interval when asked.
 
 It is never silent about its own errors. A record it reads that is not one the library
 writes (another process may write to the store) is skipped and logged once per kind. A tick
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from . import _control as ctl
@@ -95,6 +97,56 @@ def event_problem(ev: Any) -> str:
     return problem
 
 
+def watch_targets(rank: int, world: int, hosts: Mapping[int, str | None]) -> list[int]:
+    """The ranks whose heartbeats ``rank`` watches, sorted; never ``rank`` itself.
+
+    Two parts:
+
+    * The rank ring: the next two ranks, ``(rank + 1) % world`` and ``(rank + 2) % world``,
+      whatever their host (a rank whose host is unknown is watched this way only).
+    * Whole hosts. The distinct known hosts are ordered by the smallest rank on each, and
+      each host ``i`` is watched whole by ranks of hosts ``i - 1`` and ``i - 2`` (mod the
+      number of hosts): on host ``i``, its first rank watches every rank of host ``i + 1``
+      and its second rank every rank of host ``i + 2`` (a host with one rank does both).
+
+    With three hosts or more, every rank of every host is then watched by ranks of two
+    distinct other hosts: when any two hosts fail together (two adjacent ones in a rack,
+    say), a rank of a surviving host still watches each failed host whole (and names it
+    whole, not one rank at a time). With two hosts, the first two ranks of each watch the
+    other host whole; with one, only the ring is left (a rank's own host is watched through
+    its processes, see ``Watchdog.local_peers``). A rank watches at most ``2 + 2 * m``
+    ranks, ``m`` the most ranks on one host, whatever ``world``.
+
+    Args:
+        rank: The watching rank.
+        world: The number of ranks (``0 .. world - 1``).
+        hosts: Each rank's host name (``None``, or absent, when unknown); ranks outside
+            ``0 .. world - 1`` are ignored.
+
+    Returns:
+        The ranks to watch, sorted and without duplicates.
+    """
+    watched = {(rank + k) % world for k in (1, 2)}
+    members: dict[str, list[int]] = {}  # host -> its ranks; hosts in order of first rank
+    for r in range(world):
+        host = hosts.get(r)
+        if host is not None:
+            members.setdefault(host, []).append(r)
+    mine = hosts.get(rank)
+    if mine is not None and mine in members:
+        order = list(members)
+        count, i = len(order), order.index(mine)
+        own = members[mine]
+        for k, offset in enumerate((1, 2)):
+            target = (i + offset) % count
+            if target == i:  # two hosts: the second rank watches the other host too
+                target = (i + 1) % count
+            if target != i and own[k % len(own)] == rank:
+                watched.update(members[order[target]])
+    watched.discard(rank)
+    return sorted(watched)
+
+
 class Watchdog(threading.Thread):
     """Heartbeat publisher and failure detector for one rank; see the module docstring."""
 
@@ -120,13 +172,11 @@ class Watchdog(threading.Thread):
         self._diag_answered = 0
         self._last_change: dict[int, tuple[int, float]] = {}
         world, rank = runtime.world_size, runtime.rank
-        ring = {(rank + k) % world for k in (1, 2)} - {rank}
-        # With each watched peer, the other ranks of its host: a host that goes (power,
-        # network) is then named whole, not one rank at a time.
-        mine = runtime.identity["host"]
-        hosts = {runtime.infos.get(r, {}).get("host") for r in ring} - {None, mine}
-        same_host = {r for r, i in runtime.infos.items() if i.get("host") in hosts}
-        self.watched = sorted((ring | same_host) - {rank})
+        # The ring, and whole hosts: each host is watched from two others (a rack of two
+        # hosts that goes together is still noticed within heartbeat_timeout).
+        hosts = {r: info.get("host") for r, info in runtime.infos.items()}
+        hosts[rank] = runtime.identity["host"]
+        self.watched = watch_targets(rank, world, hosts)
         self.local_peers = [r for r in range(world) if r != rank and runtime.is_local(r)]
         self.aborted = False
         self._section_reported = False
