@@ -117,6 +117,30 @@ def fault(rank: int, op: str, kind: str, culprit: int, cfg_kwargs: dict[str, Any
     return "no error"
 
 
+def stuck_rank_diagnosed_once(rank: int, culprit: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """``culprit`` stalls before an all_reduce; the others return their error's summary and
+    how many diagnoses the generation has seen when they read it (after their own)."""
+    from resilient_ddp import _runtime
+
+    _init(cfg_kwargs)
+    assert rd.all_reduce(torch.ones(1)).item() == dist.get_world_size()
+    if rank == culprit:
+        with rd.phase("data"):
+            slow_data_loader(cfg_kwargs["op_timeout"] + 4)
+    t0 = time.monotonic()
+    try:
+        rd.all_reduce(torch.ones(1))
+    except rd.CollectiveTimeoutError as e:
+        out = error_summary(e, t0)
+        rt = _runtime.current()
+        assert rt is not None
+        out["diagnoses"] = rt.control.store.add("diag", 0)
+        return out
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
 def diverge(rank: int, kind: str, validate: bool, cfg_kwargs: dict[str, Any]) -> Any:
     """Rank 1 issues something other than the rest at the second op."""
     _init({**cfg_kwargs, "validate": validate})

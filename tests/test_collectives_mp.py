@@ -95,6 +95,22 @@ def test_stalled_rank_is_named_with_its_stack(op: str) -> None:
     assert "slow_data_loader" in (stalled.traceback or ""), report
 
 
+def test_a_stuck_rank_is_diagnosed_once_and_every_survivor_names_it() -> None:
+    """The survivors of a stuck rank all time out at about the same moment; one of them
+    diagnoses (asks every rank for its stack) and the others take its verdict: one
+    diagnosis request in all, not one per survivor (each reading every rank's state), which
+    made a stuck rank cost O(W^2) store requests."""
+    outcomes = _run(w.stuck_rank_diagnosed_once, 4, 3, FAST)
+    values = _values(outcomes, [0, 1, 2])
+    report = format_outcomes(outcomes)
+    for r, v in values.items():
+        assert isinstance(v, dict), (r, v, report)
+        assert v["ranks"] == [3], v["message"]
+        assert "slow_data_loader" in v["stacks"][0], v["message"]
+        assert v["elapsed"] < FAST["op_timeout"] + 2.0, (r, v["elapsed"], v["message"])
+    assert max(v["diagnoses"] for v in values.values()) == 1, report
+
+
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather_object"])
 def test_sigstopped_rank_is_named_within_op_timeout(op: str) -> None:
     outcomes = _run(w.fault, 3, op, "sigstop", 2, FAST, grace=2)

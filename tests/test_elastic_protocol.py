@@ -8,11 +8,20 @@ Failure kinds map onto the protocol's inputs as the watchdog reports them: a kil
 from __future__ import annotations
 
 import json
+import random
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
+from resilient_ddp import _control as ctl
+from resilient_ddp import elastic
 from resilient_ddp._elastic_protocol import (
     Ack,
     Admission,
@@ -28,6 +37,7 @@ from resilient_ddp._elastic_protocol import (
     should_decide,
 )
 from resilient_ddp.elastic_sampler import ElasticBatchSampler
+from resilient_ddp.errors import RankFailureError
 
 NEXT_GEN = 7
 
@@ -830,3 +840,330 @@ def test_pending_joiners_asks_only_about_ids_in_question() -> None:
     )
     assert got == [1000001]
     assert asked == [1000001]
+
+
+# -- wait loops: one counter a poll, whatever the number of ranks ------------------------------
+# Every rank of a job polls these loops at once, on one store: a poll must cost each rank a
+# fixed number of requests (a counter, a decision key), not one key (or log line) per rank.
+class CountingStore:
+    """A store that records each request made through it: (method, first argument)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.inner, name)
+
+        def call(*args: Any) -> Any:
+            with self._lock:
+                self.calls.append((name, args[0] if args else None))
+            return fn(*args)
+
+        return call
+
+    def count(self, name: str, where: Callable[[Any], bool] = lambda _: True) -> int:
+        with self._lock:
+            return sum(1 for n, arg in self.calls if n == name and where(arg))
+
+    def wide_checks(self) -> int:
+        """``check`` requests of more than one key."""
+        return self.count("check", lambda keys: len(keys) > 1)
+
+
+def _rt(root: Any, world: int, rank: int = 0, dead: tuple[int, ...] = ()) -> Any:
+    cfg = SimpleNamespace(
+        op_timeout=timedelta(seconds=5),
+        heartbeat_timeout=timedelta(seconds=5),
+        heartbeat_interval=timedelta(seconds=0.2),
+        min_world_size=1,
+    )
+    return SimpleNamespace(
+        rank=rank,
+        world_size=world,
+        generation=0,
+        config=cfg,
+        control_root=root,
+        watchdog=None,
+        lock=threading.RLock(),
+        failures=[{"kind": "crash", "rank": r} for r in dead],
+        left={},
+    )
+
+
+def test_backoff_grows_to_its_cap_resets_and_keeps_to_the_deadline() -> None:
+    poll = elastic._Backoff(4, 2)
+    waits = [poll.next_wait(0.0) for _ in range(8)]
+    assert waits[:3] == pytest.approx([0.005, 0.0075, 0.01125])
+    assert waits == sorted(waits)
+    assert waits[-1] == pytest.approx(0.05)
+    poll.reset()
+    assert poll.next_wait(0.0) == pytest.approx(0.005)
+    # Never past `until` (but not below the first wait: no busy loop at a deadline).
+    assert poll.next_wait(10.0, until=10.002) == pytest.approx(0.005)
+    assert poll.next_wait(10.0, until=10.004) == pytest.approx(0.005)
+    assert elastic._Backoff(4, 2).next_wait(10.0, until=9.0) == pytest.approx(0.005)
+
+
+def test_backoff_keeps_every_rank_together_under_the_store_rate() -> None:
+    for ranks, requests in [(8, 1), (250, 2), (1024, 2), (4096, 4)]:
+        poll = elastic._Backoff(ranks, requests)
+        waits = [poll.next_wait(0.0) for _ in range(20)]
+        assert ranks * requests / min(waits) <= elastic._POLL_RATE + 1e-6
+        assert max(waits) == pytest.approx(max(elastic._POLL_MAX_S, waits[0]))
+    # Few ranks: the latency of a shrink or formation stays small.
+    assert elastic._Backoff(32, 2).next_wait(0.0) == pytest.approx(elastic._POLL_S)
+
+
+def test_tally_moves_on_the_first_read_and_on_each_change() -> None:
+    jobs = ctl.JobStore(dist.HashStore())
+    tally = elastic._Tally(lambda: jobs.ready_count(3))
+    assert tally.moved()
+    assert tally.value == 0  # read, never bumped: 0
+    assert not tally.moved()
+    jobs.post_ready(3, 1)
+    assert tally.moved()
+    assert tally.value == 1
+    assert not tally.moved()
+
+
+def test_present_names_the_missing_keys_in_few_requests() -> None:
+    rng = random.Random(5)
+    store = CountingStore(dist.HashStore())
+    jobs = ctl.JobStore(store)  # type: ignore[arg-type]
+    keys = [f"k/{i}" for i in range(1024)]
+    for missing in [set(), {7}, {0, 1023}, set(rng.sample(range(1024), 9)), set(range(1024))]:
+        for i, k in enumerate(keys):
+            if i not in missing:
+                store.inner.set(k, "1")
+            elif store.inner.check([k]):
+                store.inner.delete_key(k)
+        store.calls.clear()
+        assert jobs._present(keys) == [i not in missing for i in range(1024)]
+        if len(missing) <= 2:
+            assert store.count("check") <= 1 + 2 * max(1, len(missing)) * 10, len(missing)
+        assert store.count("check") <= 2 * len(keys)
+    assert jobs._present([]) == []
+
+
+def test_missing_state_rereads_only_the_ranks_asked_about() -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    jobs = ctl.JobStore(store)  # type: ignore[arg-type]
+    for r in (0, 1, 3):
+        jobs.post_has_state(7, r)
+    base.set("adm/g7/ok/4", "not a record")
+    assert jobs.has_state_count(7) == 3
+    assert jobs.missing_state(7, 5) == [2, 4]
+    store.calls.clear()
+    assert jobs.missing_state(7, 5, among=[2, 4]) == [2, 4]
+    asked = {"adm/g7/ok/2", "adm/g7/ok/4"}
+    assert all(set(keys) <= asked for n, keys in store.calls if n == "check"), store.calls
+    jobs.post_has_state(7, 2)
+    assert jobs.missing_state(7, 5, among=[2, 4]) == [4]
+    assert not jobs.all_have_state(7, 5)
+
+
+def _members_arrive(others: ctl.JobStore, gen: int, ranks: list[int]) -> None:
+    for r in ranks:
+        others.post_ready(gen, r)
+
+
+def test_form_polls_one_counter_and_reads_the_flags_once_all_arrived(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    rt = _rt(store, 4)
+    rebuilt: list[tuple[int, int, list[int]]] = []
+    monkeypatch.setattr(elastic, "_rebuild", lambda rt, g, r, m: rebuilt.append((g, r, m)))
+    el = SimpleNamespace(uid=0, grow="x", acked=(0, 0))
+    others = ctl.JobStore(base)
+    _members_arrive(others, 9, [1, 2])
+    with ThreadPoolExecutor(1) as pool:
+        formed = pool.submit(elastic._form, rt, el, 9, [0, 1, 2, 3], [0, 1, 2, 3])  # type: ignore[arg-type]
+        time.sleep(0.3)
+        polls = store.count("add") - 1  # its own arrival is one
+        assert store.count("check") == 0, store.calls  # no flag read: not all counted
+        assert 2 <= polls <= 25, polls  # backing off: 5 ms, growing to 50 ms
+        assert {n for n, _ in store.calls} == {"set", "add"}
+        others.post_ready(9, 3)
+        formed.result(timeout=10)
+    assert rebuilt == [(9, 0, [0, 1, 2, 3])]
+    assert store.wide_checks() == 1  # the four flags, once
+    assert (el.grow, el.acked) == (None, (-1, -1))
+
+
+def test_form_gives_up_at_once_on_a_member_dead_before_arriving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    rt = _rt(store, 4, dead=(2,))
+    monkeypatch.setattr(elastic, "_rebuild", lambda *a: pytest.fail("formed without rank 2"))
+    _members_arrive(ctl.JobStore(base), 9, [1, 3])
+    el = SimpleNamespace(uid=0, grow=None, acked=(0, 0))
+    t0 = time.monotonic()
+    with pytest.raises(RankFailureError, match=r"member\(s\) \[2\] did not arrive"):
+        elastic._form(rt, el, 9, [0, 1, 2, 3], [0, 1, 2, 3])  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 1.0
+    assert store.count("check") == 1  # the dead member's flag alone
+
+
+def test_form_looks_at_a_dead_member_that_arrived_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member that died after arriving is not given up on at once (as before): its flag is
+    read once, not on every poll, and the group forms when the others arrive."""
+    base = dist.HashStore()
+    store = CountingStore(base)
+    rt = _rt(store, 4, dead=(1,))
+    rebuilt: list[int] = []
+    monkeypatch.setattr(elastic, "_rebuild", lambda rt, g, r, m: rebuilt.append(g))
+    others = ctl.JobStore(base)
+    _members_arrive(others, 9, [1, 2])
+    el = SimpleNamespace(uid=0, grow=None, acked=(0, 0))
+    with ThreadPoolExecutor(1) as pool:
+        formed = pool.submit(elastic._form, rt, el, 9, [0, 1, 2, 3], [0, 1, 2, 3])  # type: ignore[arg-type]
+        time.sleep(0.2)
+        assert store.count("check", lambda keys: keys == ["form/g9/1"]) == 1
+        rt.failures.append({"kind": "exception", "rank": 2})  # another one dies, arrived
+        time.sleep(0.2)
+        assert store.count("check", lambda keys: keys == ["form/g9/2"]) == 1
+        others.post_ready(9, 3)
+        formed.result(timeout=10)
+    assert rebuilt == [9]
+    assert store.count("check", lambda keys: len(keys) == 1) == 2
+
+
+def test_agree_reads_the_proposal_log_only_when_a_decision_may_be_due() -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    rt = _rt(store, 3)
+    others = ctl.JobStore(base)
+    others.post_proposal("rec/g0/r0", P(1).to_json())
+    el = SimpleNamespace(uid=0, committed=5)
+
+    def log_reads() -> int:
+        return store.count("get", lambda key: key == "rec/g0/r0/log")
+
+    with ThreadPoolExecutor(1) as pool:
+        agreed = pool.submit(elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2], "reduce", True, (0, 3))  # type: ignore[arg-type]
+        time.sleep(0.3)
+        assert log_reads() == 0, store.calls  # rank 2 is not gone: no decision is due
+        # A poll: the decision (one check) and the proposal count (one add).
+        polls = store.count("check", lambda keys: keys == ["rec/g0/r0/d"])
+        assert 2 <= polls <= 25, polls
+        assert store.count("add") == polls + 1  # + its own proposal's count
+        others.post_proposal("rec/g0/r0", P(2).to_json())
+        dec = agreed.result(timeout=10)
+    assert (dec["members"], dec["outcome"]) == ([0, 1, 2], "redo"), dec
+    assert log_reads() == 2  # once all proposed, and when deciding
+
+
+def test_agree_goes_on_without_a_dead_rank_once_the_others_proposed() -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    rt = _rt(store, 5, dead=(4,))
+    others = ctl.JobStore(base)
+    for r in (1, 2):
+        others.post_proposal("rec/g0/r0", P(r).to_json())
+    el = SimpleNamespace(uid=0, committed=5)
+    with ThreadPoolExecutor(1) as pool:
+        agreed = pool.submit(
+            elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2, 3, 4], "reduce", True, (0, 5)
+        )  # type: ignore[arg-type]
+        time.sleep(0.2)
+        assert store.count("get", lambda key: key == "rec/g0/r0/log") == 0
+        assert not agreed.done()
+        others.post_proposal("rec/g0/r0", P(3).to_json())
+        dec = agreed.result(timeout=10)
+    assert (dec["members"], dec["lost"]) == ([0, 1, 2, 3], [4]), dec
+
+
+@pytest.mark.parametrize(
+    ("count", "gone", "want"),
+    [
+        pytest.param(5, set(), True, id="all-counted"),
+        pytest.param(4, set(), False, id="one-not-counted-not-gone"),
+        pytest.param(4, {3}, True, id="one-not-counted-gone"),
+        pytest.param(4, {9}, False, id="gone-not-a-candidate"),
+        pytest.param(3, {3}, False, id="two-not-counted-one-gone"),
+        pytest.param(6, set(), True, id="counted-more-than-valid"),
+    ],
+)
+def test_may_decide(count: int, gone: set[int], want: bool) -> None:
+    assert elastic._may_decide(count, gone, [0, 1, 2, 3, 4]) is want
+
+
+def test_agree_decides_from_the_log_when_a_count_lags_it() -> None:
+    """A proposer that died between its line and its count: its proposal is not read while
+    waiting (not counted), but the decision, once it is known dead, includes it, as when
+    every poll read the log."""
+    base = dist.HashStore()
+    rt = _rt(base, 3)
+    others = ctl.JobStore(base)
+    others.post_proposal("rec/g0/r0", P(1).to_json())
+    el = SimpleNamespace(uid=0, committed=5)
+    with ThreadPoolExecutor(1) as pool:
+        agreed = pool.submit(elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2], "reduce", True, (0, 3))  # type: ignore[arg-type]
+        time.sleep(0.2)
+        others._append("rec/g0/r0/log", P(2).to_json())  # and it dies: no count
+        time.sleep(0.2)
+        assert not agreed.done()
+        with rt.lock:
+            rt.failures.append({"kind": "crash", "rank": 2})
+        dec = agreed.result(timeout=10)
+    assert dec["members"] == [0, 1, 2], dec
+
+
+def test_admission_result_reads_the_confirmations_once_all_counted() -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    rt = _rt(store, 3)
+    others = ctl.JobStore(base)
+    others.post_has_state(7, 1)
+    adm = {"gen": 7, "members": [0, 1, 2]}
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(elastic._admission_result, rt, adm, 0, ok=True)  # type: ignore[arg-type]
+        time.sleep(0.3)
+        assert (store.count("multi_get"), store.wide_checks()) == (0, 0)
+        others.post_has_state(7, 2)
+        assert result.result(timeout=10) is True
+    assert (store.count("multi_get"), store.wide_checks()) == (1, 1)
+
+
+def test_acks_bound_is_read_once_every_member_is_counted() -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    jobs = ctl.JobStore(store)  # type: ignore[arg-type]
+    rt = _rt(store, 3)
+    acks = elastic._Tally(lambda: jobs.ack_count(0, 2))
+    poll = elastic._Backoff(3, 4)
+    jobs.ack(0, 2, 0, 5)
+    jobs.ack(0, 2, 1, 6)
+    assert elastic._acks_bound(rt, jobs, 2, acks, poll) is None
+    assert elastic._acks_bound(rt, jobs, 2, acks, poll) is None
+    assert store.wide_checks() == 0
+    jobs.ack(0, 2, 2, 5)
+    assert elastic._acks_bound(rt, jobs, 2, acks, poll) == 6
+    assert elastic._acks_bound(rt, jobs, 2, acks, poll) is None  # read once
+    assert store.wide_checks() == 1
+
+
+def test_forgetting_a_generation_deletes_its_arrival_counters() -> None:
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", "secret")
+    before = base.num_keys()
+    jobs = ctl.JobStore(root)
+    jobs.post_ready(3, 0)
+    jobs.post_has_state(3, 0)
+    jobs.post_proposal("rec/g3/r1", P(0).to_json())
+    jobs.ack(3, 2, 0, 7)
+    assert (jobs.ready_count(3), jobs.has_state_count(3), jobs.proposal_count("rec/g3/r1")) == (
+        1,
+        1,
+        1,
+    )
+    assert jobs.ack_count(3, 2) == 1
+    jobs.forget_generation(3, 1, acked={2})
+    assert base.num_keys() == before

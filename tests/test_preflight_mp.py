@@ -7,6 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,7 +18,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp.preflight import check_environment
+from resilient_ddp import preflight
+from resilient_ddp.errors import PreflightError
+from resilient_ddp.preflight import Environment, check_environment
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _preflight_workers as w
@@ -176,3 +182,90 @@ def test_torchrun_restarts_rendezvous_again_every_time(tmp_path: Path) -> None:
             record = json.loads((tmp_path / f"attempt{attempt}-rank{rank}.json").read_text())
             assert record["value"] == [2.0, 2.0], record
             assert record["init_s"] < 20, record
+
+
+# -- the exchange: one counter a poll, whatever the number of ranks --------------------------
+class CountingStore:
+    """A store that records each request made through it: (method, first argument)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.inner, name)
+
+        def call(*args: Any) -> Any:
+            with self._lock:
+                self.calls.append((name, args[0] if args else None))
+            return fn(*args)
+
+        return call
+
+    def count(self, name: str, where: Callable[[Any], bool] = lambda _: True) -> int:
+        with self._lock:
+            return sum(1 for n, arg in self.calls if n == name and where(arg))
+
+
+def _env(rank: int, world: int) -> Environment:
+    return Environment("127.0.0.1", 29500, rank, world, 0, 0, 0, False)
+
+
+def _arrive(store: dist.Store, rank: int) -> None:
+    store.set(f"rd/preflight/0/{rank}", json.dumps({"host": f"h{rank}"}))
+    store.add("rd/preflight/0/n", 1)
+
+
+def test_exchange_polls_a_counter_and_reads_the_facts_once_everyone_arrived() -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    _arrive(base, 1)
+    with ThreadPoolExecutor(1) as pool:
+        deadline = time.monotonic() + 20
+        table = pool.submit(preflight._exchange, store, _env(0, 3), {"host": "h0"}, deadline)  # type: ignore[arg-type]
+        time.sleep(0.3)
+        # A poll: the count (add) and the verdict (one key); no rank's key.
+        assert store.count("check", lambda keys: len(keys) > 1) == 0, store.calls
+        polls = store.count("check")
+        assert 2 <= polls <= 25, polls
+        assert store.count("add") == polls + 1  # + its own arrival
+        _arrive(base, 2)
+        got = table.result(timeout=10)
+    assert sorted(got) == [0, 1, 2]
+    assert got[2] == {"host": "h2"}
+    assert store.count("check", lambda keys: len(keys) == 3) == 2  # all there; then who
+    assert store.count("multi_get") == 1
+
+
+def test_exchange_names_the_missing_rank_at_the_deadline_in_few_requests() -> None:
+    base = dist.HashStore()
+    store = CountingStore(base)
+    world = 64
+    for r in range(1, world):
+        if r != 37:
+            _arrive(base, r)
+    t0 = time.monotonic()
+    with pytest.raises(PreflightError, match=r"Rank\(s\) \[37\] did not arrive") as e:
+        preflight._exchange(store, _env(0, world), {"host": "h0"}, t0 + 0.5)  # type: ignore[arg-type]
+    assert "rank(s) [37] never arrived" in e.value.problems[0]
+    assert time.monotonic() - t0 < 2.0
+    wide = store.count("check", lambda keys: len(keys) > 1)
+    assert wide <= 1 + 2 * 6, wide  # halving 64 keys down to the missing one
+    assert json.loads(base.get("rd/preflight/0/verdict"))["rank"] == 0
+
+
+def test_present_halves_the_list_where_a_key_is_missing() -> None:
+    have = {f"k{i}" for i in range(100) if i not in (3, 50, 99)}
+    asked: list[list[str]] = []
+
+    def check(keys: list[str]) -> bool:
+        asked.append(keys)
+        return set(keys) <= have
+
+    got = preflight._present(check, [f"k{i}" for i in range(100)])
+    assert [i for i, there in enumerate(got) if not there] == [3, 50, 99]
+    assert len(asked) < 50
+    asked.clear()
+    assert preflight._present(check, sorted(have)) == [True] * 97
+    assert len(asked) == 1

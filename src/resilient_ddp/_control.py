@@ -18,6 +18,10 @@ One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``:
 ``diag``               diagnosis request counter; every watchdog answers with its stack
 ``claim/<r>``          first reporter of rank ``r``'s failure wins (``add`` returns 1)
 ``mm/<k>/<r>``         signature of the ``k``-th mismatched collective, per rank
+``dg/<s>/<k>/claim``   first rank to diagnose round ``k`` of op ``s`` (``add``)
+``dg/<s>/<k>/v``       its verdict, which the other ranks wait for and take
+``inf/<c>/done``       ranks done with inference call ``c`` (a counter)
+``extra``              names of the ``dg/`` and ``inf/`` keys made (``append``)
 ``pg/...``             torch's rendezvous keys of the generation's process group
 =====================  =======================================================
 
@@ -30,7 +34,9 @@ The job (:class:`JobStore`), under ``rd/<job>/``:
 ``g<N>/retry/<seq>/<a>/gen``  the generation that retry forms (slots as below)
 ``rec/g<N>/r<k>/log``      shrink round ``k`` after generation ``N``: proposals
 ``rec/g<N>/r<k>/d``        its decision (first valid of 4 ``compare_set`` slots)
+``rec/g<N>/r<k>/n``        proposals posted in that round (a counter)
 ``form/g<N>/<r>``          rank ``r`` arrived to form generation ``N``
+``form/g<N>/n``            ranks arrived to form it (a counter)
 ``members``                the member ids of the last complete generation
 ``left/g<N>``              members of generation ``N`` that left normally (counter)
 ``ended``                  the job is over: finished, or failed (and why)
@@ -43,12 +49,16 @@ The job (:class:`JobStore`), under ``rd/<job>/``:
 ``join/tries/<uid>``       admissions ``uid`` failed to reach (a counter)
 ``grow/g<N>``              the admission decided in generation ``N`` (slots as above)
 ``grow/g<N>/n<k>/ack/<r>`` rank ``r`` saw ``k`` join requests in generation ``N``
+``grow/g<N>/n<k>/ack/n``   acknowledgements of those ``k`` (a counter)
 ``adm/g<N>/ok/<r>``        rank ``r`` of admission generation ``N`` has the state
+``adm/g<N>/ok/n``          ranks of it that have the state (a counter)
 ``adm/g<N>/result``        that admission's outcome (slots as above)
 =========================  ===================================================
 
 All reads used on the healthy path are of keys known to exist, so no call here waits on the
-store except :meth:`ControlPlane.wait_keys`, which is bounded. Every store error surfaces as
+store except :meth:`ControlPlane.wait_keys` and :meth:`ControlPlane.read_verdict`, which are
+bounded. Waits for every rank read one counter a poll, and the ranks' keys only once the
+counter says they are all there: O(1) requests a rank a poll, not O(W). Every store error surfaces as
 :class:`ControlPlaneError`.
 """
 
@@ -430,7 +440,10 @@ class ControlPlane:
 
     def finish_inference(self, call: int) -> int:
         """Count this rank finished with inference call ``call``; how many have now."""
-        return int(self._call(self.store.add, f"inf/{call}/done", 1))
+        n = int(self._call(self.store.add, f"inf/{call}/done", 1))
+        if n == 1:
+            self.note_keys([f"inf/{call}/done"])
+        return n
 
     def inference_finished(self, call: int) -> int:
         """How many ranks finished with inference call ``call``."""
@@ -524,6 +537,41 @@ class ControlPlane:
     def request_diagnosis(self) -> int:
         return int(self._call(self.store.add, "diag", 1))
 
+    # -- shared diagnoses --------------------------------------------------------------------
+    def claim_diagnosis(self, seq: int, k: int) -> bool:
+        """Return True for the first rank to diagnose round ``k`` (1, 2, ...) of op ``seq``:
+        it diagnoses and publishes its verdict (:meth:`publish_verdict`); the others read it
+        (:meth:`read_verdict`). One round trip."""
+        key = f"dg/{seq}/{k}/claim"
+        first = int(self._call(self.store.add, key, 1)) == 1
+        if first:
+            self.note_keys([key, f"dg/{seq}/{k}/v"])
+        return first
+
+    def publish_verdict(self, seq: int, k: int, verdict: dict[str, Any]) -> None:
+        self._set(f"dg/{seq}/{k}/v", verdict)
+
+    def read_verdict(self, seq: int, k: int, timeout: timedelta) -> dict[str, Any] | None:
+        """Wait for the verdict of round ``k`` of op ``seq`` (a wait on the server: one
+        round trip, whatever the number of ranks), at most ``timeout``; ``None`` when none
+        came (its diagnoser died) or it is not a valid record.
+
+        Raises:
+            ControlPlaneError: The store is unreachable.
+        """
+        key = f"dg/{seq}/{k}/v"
+        try:
+            self.store.wait([key], timeout)
+        except (RuntimeError, OSError):  # DistStoreError: it did not appear in time
+            if not self._call(self.store.check, [key]):
+                return None
+        return unseal_dict(self.key, self._name(key), self._call(self.store.get, key))
+
+    def note_keys(self, keys: Sequence[str]) -> None:
+        """Record keys of this generation that only some ops create (diagnosis rounds,
+        inference counters), for :meth:`JobStore.forget_generation` to delete."""
+        self._call(getattr(self.store, "append"), "extra", "".join(k + "\n" for k in keys))  # noqa: B009
+
     # -- mismatch tables ---------------------------------------------------------------------
     def publish_signature(self, k: int, rank: int, sig: dict[str, Any]) -> None:
         self._set(f"mm/{k}/{rank}", sig)
@@ -585,6 +633,9 @@ class ControlPlane:
             ) from e
 
 
+# Key families a generation creates only for some ops (ControlPlane.note_keys).
+_NOTED_FAMILIES = ("dg/", "inf/")
+
 _SLOTS = 4  # a decision is taken in the first of these slots that holds no garbage
 
 
@@ -625,6 +676,38 @@ class JobStore:
         if not self._has(key):
             return 0
         return _count(self._c(self.root.get, key))
+
+    def _bump(self, key: str) -> None:
+        """Count one more record under the arrival counter ``key`` (see :meth:`_tally`)."""
+        self._c(self.root.add, key, 1)
+
+    def _tally(self, key: str) -> int:
+        """An arrival counter's value in one round trip, whether or not it exists yet.
+
+        Each rank bumps one after writing its own record (:meth:`_bump`), so a waiter reads
+        this one key a poll instead of every rank's, and reads theirs only once it moved.
+        ``add(key, 0)`` creates the key at 0 (never waits on the store), which is why it is
+        only used on keys written by ``add`` alone: ``add`` on a key holding anything but a
+        number breaks the connection.
+        """
+        return int(self._c(self.root.add, key, 0))
+
+    def _present(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` exist. ``check`` answers for all of a list together, so the
+        list is halved where it says no: ``1 + 2 k log2(n / k)`` round trips or so for
+        ``k`` absent keys out of ``n``, instead of ``n`` one by one (``2 n - 1`` at worst)."""
+        out = [False] * len(keys)
+        spans = [(0, len(keys))]
+        while spans:
+            lo, hi = spans.pop()
+            if hi <= lo:
+                continue
+            if self._has(*keys[lo:hi]):
+                out[lo:hi] = [True] * (hi - lo)
+            elif hi - lo > 1:
+                mid = (lo + hi) // 2
+                spans += [(mid, hi), (lo, mid)]
+        return out
 
     def _append(self, key: str, value: dict[str, Any]) -> None:
         self._c(getattr(self.root, "append"), key, "\n" + seal(self.key, key, value) + "\n")  # noqa: B009
@@ -721,13 +804,27 @@ class JobStore:
 
     # -- shrink ------------------------------------------------------------------------------
     def post_proposal(self, base: str, proposal: dict[str, Any]) -> None:
+        """Append a proposal to round ``base``'s log, then count it (``<base>/n``)."""
         self._append(f"{base}/log", proposal)
+        self._bump(f"{base}/n")
+
+    def proposal_count(self, base: str) -> int:
+        """Proposals counted in round ``base`` (one round trip). A poster that died between
+        its log line and its count leaves the counter behind the log: read the log when
+        this moved, and before deciding."""
+        return self._tally(f"{base}/n")
 
     def proposals(self, base: str) -> list[dict[str, Any]]:
         return self._log(f"{base}/log")
 
     def post_ready(self, generation: int, rank: int) -> None:
+        """``rank`` arrived to form ``generation``: its flag, then the count of arrivals."""
         self._flag(f"form/g{generation}/{rank}")
+        self._bump(f"form/g{generation}/n")
+
+    def ready_count(self, generation: int) -> int:
+        """Arrivals counted to form ``generation`` (members and joiners; one round trip)."""
+        return self._tally(f"form/g{generation}/n")
 
     def ready(self, generation: int, ranks: Iterable[int]) -> bool:
         return self._has(*[f"form/g{generation}/{r}" for r in ranks])
@@ -753,6 +850,16 @@ class JobStore:
         """``rank`` saw ``requests`` join requests in ``generation`` when it had
         ``committed`` steps, and looks for the admission at every step boundary after."""
         self._put(ack_key(generation, requests, rank), {"committed": committed})
+        self._bump(self._ack_counter(generation, requests))
+
+    @staticmethod
+    def _ack_counter(generation: int, requests: int) -> str:
+        return f"grow/g{generation}/n{requests}/ack/n"
+
+    def ack_count(self, generation: int, requests: int) -> int:
+        """Acknowledgements counted of ``requests`` requests in ``generation`` (one round
+        trip; :meth:`ack_bound` reads them)."""
+        return self._tally(self._ack_counter(generation, requests))
 
     def ack_bound(self, generation: int, requests: int, world: int) -> int | None:
         """The largest committed step count in the acknowledgements of ``requests``
@@ -773,7 +880,7 @@ class JobStore:
     def missing_acks(self, generation: int, requests: int, world: int) -> list[int]:
         """The ranks of ``generation`` that did not acknowledge ``requests`` requests."""
         keys = [ack_key(generation, requests, r) for r in range(world)]
-        return [r for r, k in enumerate(keys) if not self._has(k)]
+        return [r for r, there in enumerate(self._present(keys)) if not there]
 
     def admission_for(self, uid: int) -> dict[str, Any] | None:
         rec = self._get(f"join/adm/{uid}")
@@ -806,6 +913,11 @@ class JobStore:
 
     def post_has_state(self, generation: int, rank: int) -> None:
         self._put(f"adm/g{generation}/ok/{rank}", {"ok": True})
+        self._bump(f"adm/g{generation}/ok/n")
+
+    def has_state_count(self, generation: int) -> int:
+        """Confirmations counted in admission generation ``generation`` (one round trip)."""
+        return self._tally(f"adm/g{generation}/ok/n")
 
     def all_have_state(self, generation: int, world: int) -> bool:
         """Whether every rank of admission generation ``generation`` confirmed it has the
@@ -816,9 +928,17 @@ class JobStore:
         raw = self._c(self.root.multi_get, keys)
         return all(unseal(self.key, k, v) == {"ok": True} for k, v in zip(keys, raw, strict=True))
 
-    def missing_state(self, generation: int, world: int) -> list[int]:
-        """The ranks of admission generation ``generation`` that did not confirm yet."""
-        return [r for r in range(world) if self._get(f"adm/g{generation}/ok/{r}") != {"ok": True}]
+    def missing_state(
+        self, generation: int, world: int, among: Iterable[int] | None = None
+    ) -> list[int]:
+        """The ranks of admission generation ``generation`` (of ``among``, default all
+        ``world``) that did not confirm yet: a few round trips when few are missing."""
+        ranks = list(range(world)) if among is None else list(among)
+        keys = [f"adm/g{generation}/ok/{r}" for r in ranks]
+        there = [k for k, t in zip(keys, self._present(keys), strict=True) if t]
+        raw = self._c(self.root.multi_get, there) if there else []
+        ok = {k for k, v in zip(there, raw, strict=True) if unseal(self.key, k, v) == {"ok": True}}
+        return [r for r, k in zip(ranks, keys, strict=True) if k not in ok]
 
     # -- cleaning up -------------------------------------------------------------------------
     def forget_generation(
@@ -833,14 +953,15 @@ class JobStore:
         """Delete generation ``generation``'s keys (``world`` ranks): its heartbeats,
         identities, events, claims and mismatch tables, and the job's keys of its shrink
         rounds (the first ``rounds``), formation, admission and acknowledgements (of the
-        request counts in ``acked``), and the rendezvous keys torch 2.13's gloo writes for
-        the generation's group (``g<N>/pg/0//cpu//0/<r>``; other torch versions may
-        write others, which stay).
+        request counts in ``acked``) with their arrival counters, and the rendezvous keys
+        torch 2.13's gloo writes for the generation's group (``g<N>/pg/0//cpu//0/<r>``;
+        other torch versions may write others, which stay).
 
         Returns:
             How many keys were deleted.
         """
         g = f"g{generation}"
+        acked = list(acked)
         keys = [f"{g}/ev/n", f"{g}/ev/log", f"{g}/diag", f"left/{g}"]
         for r in range(world):
             keys += [f"{g}/info/{r}", f"{g}/state/{r}", f"{g}/claim/{r}"]
@@ -851,7 +972,17 @@ class JobStore:
             keys += [ack_key(generation, n, r) for n in acked]
         decisions = [f"grow/{g}", f"adm/{g}/result"] + [f"rec/{g}/r{k}/d" for k in range(rounds)]
         keys += [_slot(d, i) for d in decisions for i in range(_SLOTS)]
-        keys += [f"rec/{g}/r{k}/log" for k in range(rounds)]
+        keys += [f"rec/{g}/r{k}/{name}" for k in range(rounds) for name in ("log", "n")]
+        # The arrival counters (JobStore._tally)
+        keys += [f"form/{g}/n", f"adm/{g}/ok/n"]
+        keys += [self._ack_counter(generation, n) for n in acked]
+        if self._has(f"{g}/extra"):
+            # Keys only some ops created (ControlPlane.note_keys), one name a line.
+            # Unsealed: only names of those families are believed.
+            raw = self._c(self.root.get, f"{g}/extra")
+            names = bytes(raw).decode(errors="replace").split("\n")
+            keys += [f"{g}/{k}" for k in names if k.startswith(_NOTED_FAMILIES)]
+            keys.append(f"{g}/extra")
         deleted = 0
         for key in keys:
             deleted += bool(self._c(self.root.delete_key, key))

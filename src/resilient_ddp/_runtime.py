@@ -202,15 +202,17 @@ class Runtime:
         # until the backend's own timeout; so they are kept alive until the process exits.
         self.stuck: list[Any] = []
         self.mismatches = 0
+        # Diagnosis rounds this rank ran or read, by (generation, seq) (see diagnose).
+        self.diagnosis_rounds: dict[tuple[int, int], int] = {}
         self.last_straggler_report: dict[str, Any] = {}
         self.raised = False  # this rank raised a failure error: its departure is a consequence
         # The failure listeners were called for the current failure (see notify_failure).
         self.failure_notified = False
         self.event_path: str | None = None  # this process's event file (see _events)
         # The peers' verdict on this rank, raised in its main thread (see tell_main).
-        self.told_error: RankFailureError | None = None
-        self.told_at = 0.0  # time.monotonic() when the main thread was signalled
-        self.told_delivered = False
+        # told_at: time.monotonic() when the main thread was signalled.
+        self.told_error: RankFailureError | None
+        self.told_error, self.told_at, self.told_delivered = None, 0.0, False
         self.lingering = False  # the store host waits for its peers before exiting
         self.watchdog: Watchdog | None = None
         self._connections: dict[str, dist.Store] = {}
@@ -779,15 +781,58 @@ class Runtime:
     def diagnose(self, control: ctl.ControlPlane, name: str, seq: int) -> list[dict[str, Any]]:
         """Find the ranks that keep op ``seq`` from completing, asking each for its stack.
 
-        Blocks at most ``config.diagnosis_timeout`` (polling the store every 50 ms for the
-        ranks that have not answered yet).
+        One rank diagnoses each round (the first of the ranks waiting in ``seq`` whose
+        attempt timed out: they all time out at about the same moment); the others wait for
+        its verdict on the store and take it as theirs. So a stuck rank costs O(W) store
+        requests in all, not every survivor reading every state (O(W^2)). A rank diagnoses
+        itself when no verdict comes (its diagnoser died), when the verdict is older than
+        ``heartbeat_timeout`` (this rank came late), was cut short by a failure, or found
+        ranks that issued another collective (the majority rule is relative to each rank).
+
+        Blocks at most the diagnosis window (``config.diagnosis_timeout``, at least two
+        heartbeat intervals), twice that in a double fault.
+
+        Raises:
+            ControlPlaneError: The store is unreachable.
         """
-        others = [r for r in range(self.world_size) if r != self.rank]
-        request = control.request_diagnosis()
+        key = (control.generation, seq)
+        self.diagnosis_rounds[key] = k = self.diagnosis_rounds.get(key, 0) + 1
+        if control.claim_diagnosis(seq, k):
+            verdict: dict[str, Any] = {"by": self.rank, "t": time.time(), "shared": False}
+            try:
+                culprits = self._diagnose_here(control, name, seq)
+                divergent = any("DIVERGED" in str(c.get("blame", "")) for c in culprits)
+                verdict.update(culprits=culprits, shared=not divergent and not self.failed_for(seq))
+                return culprits
+            finally:
+                with contextlib.suppress(ControlPlaneError):
+                    control.publish_verdict(seq, k, verdict)
+        margin = 2 * self.config.heartbeat_interval.total_seconds() + 1.0
+        shared = control.read_verdict(seq, k, timedelta(seconds=self._diagnosis_window() + margin))
+        if (
+            shared is None
+            or not shared.get("shared")
+            or time.time() - float(shared.get("t", 0))
+            > self.config.heartbeat_timeout.total_seconds()
+            or not isinstance(shared.get("culprits"), list)
+        ):
+            return self._diagnose_here(control, name, seq)
+        log.debug("rank %d: %s#%d: rank %s's diagnosis", self.rank, name, seq, shared.get("by"))
+        return [c for c in shared["culprits"] if isinstance(c, dict)]
+
+    def _diagnosis_window(self) -> float:
         # Peers answer at their next heartbeat: never wait less than two of them.
         interval = self.config.heartbeat_interval.total_seconds()
-        window = max(self.config.diagnosis_timeout.total_seconds(), 2 * interval + 0.25)
-        deadline = time.monotonic() + window
+        return max(self.config.diagnosis_timeout.total_seconds(), 2 * interval + 0.25)
+
+    def _diagnose_here(
+        self, control: ctl.ControlPlane, name: str, seq: int
+    ) -> list[dict[str, Any]]:
+        """:meth:`diagnose`, by this rank: reads every other rank's state once, then those
+        that have not answered every 50 ms."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        request = control.request_diagnosis()
+        deadline = time.monotonic() + self._diagnosis_window()
         answers: dict[int, dict[str, Any]] = {}
         states = control.read_states(others)
         while True:

@@ -68,7 +68,15 @@ log = logging.getLogger("resilient_ddp")
 
 JOINER_ENV = "RESILIENT_DDP_JOINER"
 UID_ENV = "RESILIENT_DDP_UID"
+# Wait loops poll the store from every rank at once: a few requests a poll, each one a
+# counter or a decision key, never every rank's key (see _Tally). Their interval starts at
+# _POLL_S and grows to _POLL_MAX_S while nothing changes (_Backoff), and never goes below
+# what keeps all the ranks' polls together under _POLL_RATE requests a second: one store
+# serves about 50k a second on one core, and heartbeats need some (about 4 a rank).
 _POLL_S = 0.005
+_POLL_MAX_S = 0.05
+_POLL_GROWTH = 1.5
+_POLL_RATE = 20_000.0
 _RECHECK_S = 0.1  # while waiting for acknowledgements: how often the requests are re-read
 # The heartbeat phase of a rank that sends or receives an admission's state: busy, not
 # missing, however long a large state takes.
@@ -510,6 +518,60 @@ def _jobs(root: dist.Store) -> ctl.JobStore:
     return ctl.JobStore(root)
 
 
+class _Backoff:
+    """The waits between the polls of one wait loop: :data:`_POLL_S` first, growing by
+    :data:`_POLL_GROWTH` a poll up to :data:`_POLL_MAX_S`, back to the first after
+    :meth:`reset` (something changed: the next change may come soon).
+
+    ``ranks`` ranks poll together, each making ``requests`` store requests a poll: no wait
+    is shorter than what keeps them under :data:`_POLL_RATE` requests a second in all
+    (at two requests a poll: from 50 ranks on, the first wait is longer than
+    :data:`_POLL_S`, and from 500 on, every wait is that floor)."""
+
+    def __init__(self, ranks: int, requests: int) -> None:
+        floor = max(1, ranks) * max(1, requests) / _POLL_RATE
+        self.first = max(_POLL_S, floor)
+        self.cap = max(_POLL_MAX_S, floor)
+        self.interval = self.first
+
+    def reset(self) -> None:
+        self.interval = self.first
+
+    def next_wait(self, now: float, until: float | None = None) -> float:
+        """The seconds to wait now (no later than ``until``, a monotonic time, give or
+        take :data:`_POLL_S`); the next wait grows."""
+        wait = self.interval
+        if until is not None:
+            wait = min(wait, max(until - now, _POLL_S))
+        self.interval = min(self.cap, self.interval * _POLL_GROWTH)
+        return wait
+
+    def sleep(self, until: float | None = None) -> None:
+        time.sleep(self.next_wait(time.monotonic(), until))
+
+
+class _Tally:
+    """An arrival counter (:meth:`JobStore._tally <._control.JobStore._tally>`) as a
+    waiter sees it: read once a poll, one request, whatever the number of ranks.
+
+    Every rank bumps the counter after writing its own record, so the records are worth
+    reading (``world`` keys, or a log of ``world`` lines) only when the count
+    :meth:`moved`: the last record's bump is then seen after the record itself. A count
+    may run ahead of the records (a record that is not valid) or behind them (a rank died
+    between its record and its bump): callers read the records themselves before giving
+    up or deciding, as they did on every poll before."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self.value = -1  # never read yet: the first read moves
+
+    def moved(self) -> bool:
+        """Read the count; whether it changed since the last read."""
+        n = self._read()
+        moved, self.value = n != self.value, n
+        return moved
+
+
 def _agree(
     rt: Runtime,
     el: Elastic,
@@ -535,12 +597,26 @@ def _agree(
     grace = min(cfg.op_timeout.total_seconds(), 2 * cfg.heartbeat_interval.total_seconds() + 0.5)
     silent_since: float | None = None
     decided = f"{base}/d"
+    count = _Tally(functools.partial(jobs.proposal_count, base))
+    props: dict[int, proto.Proposal] = {}
+    known: tuple[set[int], set[int]] | None = None  # the watchdog's (gone, dead), last seen
+    # A poll: the decision, the proposal count, and the watchdog's tick (poked: two).
+    poll = _Backoff(len(candidates), 4)
     while True:
         taken = jobs.decision(decided)
         if taken is not None:
             return taken
-        props = proto.parse_proposals(jobs.proposals(base))
+        moved = count.moved()
         gone, dead = _gone(rt)
+        changed = known != (gone, dead)
+        known = (gone, dead)
+        if moved or changed:
+            poll.reset()
+            # The log holds a line per proposer: read it only when the count moved (or
+            # the watchdog's view changed) and a decision may be due by now. Proposals
+            # read late only make the ranks waited for more, which never decides sooner.
+            if _may_decide(count.value, gone, candidates):
+                props = proto.parse_proposals(jobs.proposals(base))
         waiting = [r for r in candidates if r not in props]
         now = time.monotonic()
         decide, silent_since = proto.should_decide(
@@ -554,6 +630,9 @@ def _agree(
             deadline=deadline,
         )
         if decide:
+            # The log itself: a proposer that died between its line and its count is in
+            # the log only.
+            props = proto.parse_proposals(jobs.proposals(base))
             dec = proto.decide_shrink(
                 props,
                 candidates=candidates,
@@ -567,7 +646,18 @@ def _agree(
             return jobs.decide(decided, dec.to_json())
         if rt.watchdog is not None:
             rt.watchdog.poke()
-        time.sleep(_POLL_S)
+        poll.sleep(deadline if silent_since is None else min(deadline, silent_since + grace))
+
+
+def _may_decide(proposals: int, gone: set[int], candidates: list[int]) -> bool:
+    """Whether a shrink round may decide before its deadline, with ``proposals`` counted
+    (:meth:`JobStore.proposal_count <._control.JobStore.proposal_count>`) and the ranks
+    the watchdog knows ``gone``: only when every candidate not counted may be gone
+    (:func:`._elastic_protocol.should_decide` waits for every other one).
+
+    A proposer that died between its log line and its count is not counted but is in the
+    log; it counts once it is known gone, dead, which is when the log is read again."""
+    return proposals + len(gone.intersection(candidates)) >= len(candidates)
 
 
 def _recovering(rt: Runtime, ranks: list[int], dead: set[int]) -> bool:
@@ -611,22 +701,40 @@ def _form(
     # quickly, rather than by the backend's rendezvous timeout.
     jobs.post_ready(gen, rank)
     deadline = time.monotonic() + timeout_s
-    while not jobs.ready(gen, range(len(members))):
+    world = len(members)
+    arrived = _Tally(functools.partial(jobs.ready_count, gen))
+    looked_at: set[int] = set()  # dead old ranks whose arrival was read
+    poll = _Backoff(world, 1)
+    while True:
+        # The flags are read when the count says every member arrived (or at the
+        # deadline: a count can lag its flags), not on every poll.
+        if arrived.moved():
+            poll.reset()
+            if arrived.value >= world and jobs.ready(gen, range(world)):
+                break
         # Only a member known dead since the decision is given up on at once: one that a
         # timeout named (or that looked unresponsive) before it proposed is merely slower,
-        # and one that stopped since is left to the deadline.
+        # and one that stopped since is left to the deadline. A member's flag, once there,
+        # stays: each dead one is looked at once.
         _, dead = _gone(rt)
-        lost = [
-            members[i]
-            for i, old in enumerate(old_ranks or [])
-            if old in dead and not jobs.ready(gen, [i])
-        ]
+        fresh = dead - looked_at
+        lost: list[int] = []
+        if fresh:
+            looked_at |= fresh
+            poll.reset()
+            lost = [
+                members[i]
+                for i, old in enumerate(old_ranks or [])
+                if old in fresh and not jobs.ready(gen, [i])
+            ]
         if lost or time.monotonic() >= deadline:
+            if not lost and jobs.ready(gen, range(world)):
+                break
             raise RankFailureError(
                 f"generation {gen} could not form: member(s) {lost or '?'} did not arrive",
                 generation=rt.generation,
             )
-        time.sleep(_POLL_S)
+        poll.sleep(deadline)
     _rebuild(rt, gen, rank, members)
     el.grow = None
     el.acked = (-1, -1)
@@ -841,12 +949,26 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
     else:
         jobs.decide(result, {"ok": False})
     deadline = time.monotonic() + _form_timeout(rt.config)
+    confirmed = _Tally(functools.partial(jobs.has_state_count, gen))
+    missing: list[int] | None = None  # who had not confirmed at the last look (past the deadline)
+    poll = _Backoff(world, 2)
     while (taken := jobs.decision(result)) is None:
-        if jobs.all_have_state(gen, world):
+        # Every rank's confirmation is read when the count says all confirmed, not on
+        # every poll.
+        if confirmed.moved():
+            poll.reset()
+            if confirmed.value >= world and jobs.all_have_state(gen, world):
+                jobs.decide(result, {"ok": True})
+                continue
+        if time.monotonic() < deadline:
+            poll.sleep(deadline)
+            continue
+        # A confirmation stays: after the first look, only the ranks still missing are
+        # read again. None missing: every rank confirmed (a count can lag).
+        missing = jobs.missing_state(gen, world, among=missing)
+        if not missing:
             jobs.decide(result, {"ok": True})
-        elif time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        elif ok and _transferring(rt, jobs.missing_state(gen, world)):
+        elif ok and _transferring(rt, missing):
             # The state source (or a joiner taking the state) is busy, not missing: a
             # large state or a slow link takes longer than the form timeout. It is waited
             # for while its heartbeat says so; one that dies or hangs is reported by the
@@ -935,6 +1057,9 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     key = f"grow/g{rt.generation}"
     round_n, deadline = -1, 0.0  # the round waited for, and until when
     recheck = 0.0  # when the pending requests are read again while waiting
+    acks: dict[int, _Tally] = {}  # the acknowledgement count of each round waited for
+    # A poll: the decision, the request count (two), the acknowledgement count.
+    poll = _Backoff(rt.world_size, 4)
     while True:
         taken = jobs.decision(key)
         if taken is not None:
@@ -946,7 +1071,9 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
                 _stop_looking(rt, el)  # nothing to admit (yet): the watchdog wakes us again
                 return False
             acknowledge(rt, el, jobs, rt.generation, rt.rank, n)
-        bound = jobs.ack_bound(rt.generation, n, rt.world_size)
+        if n not in acks:
+            acks[n] = _Tally(functools.partial(jobs.ack_count, rt.generation, n))
+        bound = _acks_bound(rt, jobs, n, acks[n], poll)
         if bound is not None:
             break
         first_gen, first_c = el.first_ack
@@ -965,9 +1092,26 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
             round_n, deadline = n, now + _form_timeout(rt.config)
         rt.raise_if_failed("forward", rt.seq + 1)
         if time.monotonic() >= deadline:
+            # The records themselves, not their count (it can lag them).
+            bound = jobs.ack_bound(rt.generation, n, rt.world_size)
+            if bound is not None:
+                break
             raise _unacknowledged(rt, jobs, n)
-        time.sleep(_POLL_S)
+        poll.sleep(min(deadline, recheck))
     return _decide(rt, el, jobs, key, bound)
+
+
+def _acks_bound(
+    rt: Runtime, jobs: ctl.JobStore, n: int, acks: _Tally, poll: _Backoff
+) -> int | None:
+    """:meth:`JobStore.ack_bound <._control.JobStore.ack_bound>` of round ``n``, read only
+    when its count ``acks`` moved to every member (None otherwise)."""
+    if not acks.moved():
+        return None
+    poll.reset()
+    if acks.value < rt.world_size:
+        return None
+    return jobs.ack_bound(rt.generation, n, rt.world_size)
 
 
 def _decide(rt: Runtime, el: Elastic, jobs: ctl.JobStore, key: str, bound: int) -> bool:
@@ -1198,17 +1342,26 @@ def _await_members(jobs: ctl.JobStore, adm: dict[str, Any], deadline: float, uid
         False if the members abandoned it (the job moved to another generation).
     """
     gen, n_old = int(adm["gen"]), len(adm["members"]) - len(adm["joiners"])
-    while not jobs.ready(gen, range(n_old)):
+    arrived = _Tally(functools.partial(jobs.ready_count, gen))
+    # A poll: the arrival count, the end of the job (one, or more if garbage), the
+    # generation (two); the joiners poll, not the members.
+    poll = _Backoff(len(adm["joiners"]), 4)
+    while True:
+        # The members' flags are read when the count says they may all be there (the
+        # joiners count too, once they arrive: after this).
+        if arrived.moved():
+            poll.reset()
+            if arrived.value >= n_old and jobs.ready(gen, range(n_old)):
+                return True
         _check_ended(jobs, uid)
         if time.monotonic() >= deadline:
-            return False
+            return jobs.ready(gen, range(n_old))  # the flags: a count can lag them
         # Generation numbers only grow: a newer one than the admission's base means the
         # members recovered from a failure instead of reaching the admission step.
         current = jobs.generation()
         if current > int(adm["from"]) and current != gen:
             return False
-        time.sleep(_POLL_S)
-    return True
+        poll.sleep(deadline)
 
 
 def _check_ended(jobs: ctl.JobStore, uid: int) -> None:

@@ -23,12 +23,13 @@ inside the TCPStore constructor, silently, until every rank connects).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,7 +53,12 @@ __all__ = [
 
 _PREFIX = "rd/preflight"
 _COMPARED = ("python", "torch", "cuda", "nccl")
+# While waiting for the others, a rank polls an arrival counter and the verdict key: every
+# _POLL_FIRST_S at first, growing by half a poll to _POLL_S, and never more often than keeps
+# every rank's polls together under _POLL_RATE store requests a second.
+_POLL_FIRST_S = 0.005
 _POLL_S = 0.05
+_POLL_RATE = 20_000.0
 
 
 @dataclass(frozen=True)
@@ -340,11 +346,22 @@ def _exchange(
     another rank's verdict (it gave up first) is published."""
     prefix = f"{_PREFIX}/{env.restart}"
     _call(env, store.set, f"{prefix}/{env.rank}", json.dumps(facts))
+    # Then counted: a waiter polls the count, and reads the ranks' keys only when it moved
+    # to every rank (the last rank's key is there before its count).
+    counter = f"{prefix}/n"
+    _call(env, store.add, counter, 1)
     keys = [f"{prefix}/{r}" for r in range(env.world_size)]
     verdict = f"{prefix}/verdict"
-    # ``check`` never blocks (a timed ``wait`` would log a warning on every expiry); one
-    # call covers every key, and only a timeout asks key by key who is missing.
-    while not _call(env, store.check, keys) and time.monotonic() < deadline:
+    # ``check`` and ``add(counter, 0)`` never block (a timed ``wait`` would log a warning on
+    # every expiry): two requests a poll, whatever the number of ranks.
+    first = max(_POLL_FIRST_S, 2 * env.world_size / _POLL_RATE)
+    wait, seen = first, -1
+    while time.monotonic() < deadline:
+        count = int(_call(env, store.add, counter, 0))
+        if count != seen:
+            wait, seen = first, count
+            if count >= env.world_size and _call(env, store.check, keys):
+                break
         if _call(env, store.check, [verdict]):
             told = json.loads(_call(env, store.get, verdict))
             _call(env, store.add, f"{prefix}/done", 1)
@@ -353,8 +370,10 @@ def _exchange(
                 f"rank {env.rank} raises it too)",
                 problems=list(told["problems"]),
             )
-        time.sleep(_POLL_S)
-    arrived = [r for r, k in enumerate(keys) if _call(env, store.check, [k])]
+        time.sleep(min(wait, max(deadline - time.monotonic(), _POLL_FIRST_S)))
+        wait = min(max(_POLL_S, first), wait * 1.5)
+    present = _present(functools.partial(_call, env, store.check), keys)
+    arrived = [r for r, there in enumerate(present) if there]
     values = _call(env, store.multi_get, [keys[r] for r in arrived]) if arrived else []
     table = {r: json.loads(v) for r, v in zip(arrived, values, strict=True)}
     missing = [r for r in range(env.world_size) if r not in table]
@@ -385,12 +404,31 @@ def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: 
         if not store.check([f"{prefix}/verdict"]):
             payload = {"rank": env.rank, "message": str(error), "problems": error.problems}
             store.set(f"{prefix}/verdict", json.dumps(payload))
-        arrived = sum(1 for r in range(env.world_size) if store.check([f"{prefix}/{r}"]))
+        keys = [f"{prefix}/{r}" for r in range(env.world_size)]
+        arrived = sum(_present(store.check, keys))
         end = time.monotonic() + budget.total_seconds()
         while int(store.add(f"{prefix}/done", 0)) < arrived and time.monotonic() < end:
             time.sleep(_POLL_S)
     except (RuntimeError, OSError):  # our own server: nothing more to do for the others
         return
+
+
+def _present(check: Callable[[list[str]], bool], keys: list[str]) -> list[bool]:
+    """Which of ``keys`` exist. ``check`` answers for a whole list: the list is halved
+    where it says no, so that a few missing keys out of many take a few round trips, not
+    one per key (all there: one)."""
+    out = [False] * len(keys)
+    spans = [(0, len(keys))]
+    while spans:
+        lo, hi = spans.pop()
+        if hi <= lo:
+            continue
+        if check(keys[lo:hi]):
+            out[lo:hi] = [True] * (hi - lo)
+        elif hi - lo > 1:
+            mid = (lo + hi) // 2
+            spans += [(mid, hi), (lo, mid)]
+    return out
 
 
 def _call(env: Environment, fn: Any, *args: Any) -> Any:
