@@ -414,3 +414,88 @@ def test_a_member_that_acknowledged_keeps_looking_until_its_generation_ends() ->
     rt.generation = 4
     elastic._stop_looking(rt, el)
     assert not el.join_seen
+
+
+_FILE_STORE_RANK = """
+import json, os, sys, time, torch, resilient_ddp as rd
+from datetime import timedelta
+rank, world, path, fault = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+cfg = rd.ResilienceConfig(
+    heartbeat_interval=timedelta(seconds=0.2),
+    heartbeat_timeout=timedelta(seconds=3),
+    op_timeout=timedelta(seconds=2),
+)
+rd.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world,
+                      config=cfg)
+model = rd.ResilientDDP(torch.nn.Linear(4, 1))
+for _ in range(3):
+    model(torch.ones(8, 4)).sum().backward()
+if rank == world - 1 and fault == "kill":
+    os.kill(os.getpid(), 9)
+if rank == world - 1 and fault == "hang":
+    time.sleep(30)
+t0 = time.monotonic()
+try:
+    for _ in range(3):
+        model(torch.ones(8, 4)).sum().backward()
+    out = {"done": rd.all_reduce(torch.ones(1)).item()}
+except rd.ResilientDDPError as e:
+    out = {"type": type(e).__name__, "ranks": list(e.ranks), "s": time.monotonic() - t0,
+           "stack": [c.stack for c in e.culprits]}
+finally:
+    rd.destroy_process_group()
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.parametrize("fault", ["none", "kill", "hang"])
+def test_a_file_store_carries_the_control_plane(fault: str, tmp_path: Path) -> None:
+    """``init_method="file://..."`` (a FileStore on a shared file system, as on SLURM sites
+    without a TCP rendezvous): the control plane runs on that store. A killed rank is named
+    within a second, a hung one with its stack within op_timeout + 2 s."""
+    import json
+    import sys
+
+    world, path = 3, tmp_path / "store"
+    script = tmp_path / "rank.py"  # a file: frames of "-c" code are left out of stacks
+    script.write_text(_FILE_STORE_RANK)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(world), str(path), fault],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    report = "\n".join(
+        f"--- rank {r} (exit {p.returncode})\n{o}"
+        for r, (p, o) in enumerate(zip(procs, outs, strict=True))
+    )
+    results = {}
+    for r, o in enumerate(outs):
+        lines = [x for x in o.splitlines() if x.startswith("RESULT ")]
+        if lines:
+            results[r] = json.loads(lines[-1][len("RESULT ") :])
+    survivors = range(world) if fault == "none" else range(world - 1)
+    for r in survivors:
+        assert procs[r].returncode == 0, report
+        v = results[r]
+        if fault == "none":
+            assert v == {"done": float(world)}, report
+        elif fault == "kill":
+            assert (v["type"], v["ranks"]) == ("RankFailureError", [world - 1]), report
+            assert v["s"] < 1.0, report
+        else:
+            assert (v["type"], v["ranks"]) == ("CollectiveTimeoutError", [world - 1]), report
+            assert v["s"] < 2.0 + 2.0, report
+            assert "time.sleep(30)" in v["stack"][0], report
+    if fault == "kill":
+        assert procs[world - 1].returncode == -9, report
