@@ -16,17 +16,24 @@ Per W:
    (``/proc/<pid>/stat``), and the heartbeats achieved against the nominal
    ``W / heartbeat_interval`` per second (a store or clients that cannot keep up show
    here first).
-2. **A dead rank**: one virtual rank's watchdog stops (its heartbeat freezes, as a killed
+2. **A stuck rank**: every virtual rank but one enters the same collective, the one stays
+   outside any; all the others time out at the same moment and run the real diagnosis
+   (``Runtime.diagnose``, one thread and connection each). Measured: the time until each
+   has a verdict, how many name the stuck rank, how many diagnoses ran (one is the goal:
+   the others read its verdict), and the store requests and bytes per rank beyond the
+   healthy path's.
+3. **A dead rank**: one virtual rank's watchdog stops (its heartbeat freezes, as a killed
    host's does). Measured: the time to the first report (its ring predecessor, after
    ``heartbeat_timeout``), then the time from that report until every other virtual rank
    has it recorded (``Runtime.failures``), and the store bytes read per rank meanwhile.
+4. **A rack** (W >= 32, 4 virtual hosts): every rank of two adjacent virtual hosts
+   freezes at once; the time until each of them is reported.
 
 What a simulation on 2 cores can say: the store's load, in requests and bytes, and how
 it grows with W are the library's, whatever the machine; the CPU a TCPStore needs per
 request is this machine's. What it cannot say: the network (all of it is loopback), and
 the clients' CPU, which here share 2 cores with the store, while in a job each rank has
-its own. The slow paths that only a stuck rank takes (every survivor diagnosing it) are
-not measured yet.
+its own.
 
 Usage::
 
@@ -182,6 +189,7 @@ def worker(port: int, ranks: list[int], world: int, cmd_q: Any, out_q: Any) -> N
 
         rt.record_events = wrapped
         rt.watchdog = Watchdog(rt)  # connects: seconds for many ranks
+        rt.connection("main")  # the main thread's own, as a real rank has (stuck trial)
     # Every process's watchdogs start together: a peer whose heartbeats begin seconds
     # later would look dead.
     base.add("bench/armed", len(ranks))
@@ -191,32 +199,107 @@ def worker(port: int, ranks: list[int], world: int, cmd_q: Any, out_q: Any) -> N
         rt.control.publish_state(rt.rank, rt.snapshot(0))
         rt.watchdog.start()
     out_q.put(("started", os.getpid(), len(ranks)))
+    _commands(cmd_q, out_q, base, rts, world, counts, detected)
+
+
+def _commands(
+    cmd_q: Any,
+    out_q: Any,
+    base: Any,
+    rts: dict[int, Any],
+    world: int,
+    counts: _Counts,
+    detected: dict[int, float],
+) -> None:
+    """Answer the parent's commands until it sends None, then stop the virtual ranks."""
     for cmd, arg in iter(cmd_q.get, None):
-        if cmd == "kill" and arg in rts:
+        if cmd == "stuck":
+            out_q.put(("stuck", os.getpid(), _stuck(base, rts, world, arg, counts)))
+        elif cmd == "kill" and arg in rts:
             t = time.time()
             rts[arg].watchdog.stop(timeout=5.0)
             out_q.put(("killed", arg, t))
+        elif cmd == "kill_many":
+            # Every watchdog of the list freezes at once, as two hosts losing power do.
+            mine = [rts[r].watchdog for r in arg if r in rts]
+            t = time.time()
+            for w in mine:
+                w._stop_event.set()
+                w._wake.set()
+            for w in mine:
+                w.join(5.0)
+            out_q.put(("killed_many", os.getpid(), t))
         elif cmd == "report":
-            out_q.put(
-                (
-                    "report",
-                    os.getpid(),
-                    {
-                        "counts": counts.total(),
-                        "beats": sum(rt.watchdog._beat for rt in rts.values()),
-                        "detected": dict(detected),
-                        "first_report": {
-                            r: min(float(ev.get("t", 0)) for ev in rt.failures)
-                            for r, rt in rts.items()
-                            if rt.failures
-                        },
-                        "threads": threading.active_count(),
-                    },
-                )
-            )
+            out_q.put(("report", os.getpid(), _report(rts, counts, detected)))
     for rt in rts.values():
         rt.watchdog.stop(timeout=1.0)
     base.add("bench/done", 1)
+
+
+def _report(rts: dict[int, Any], counts: _Counts, detected: dict[int, float]) -> dict[str, Any]:
+    return {
+        "counts": counts.total(),
+        "beats": sum(rt.watchdog._beat for rt in rts.values()),
+        "detected": dict(detected),
+        "first_report": {
+            r: min(float(ev.get("t", 0)) for ev in rt.failures)
+            for r, rt in rts.items()
+            if rt.failures
+        },
+        "threads": threading.active_count(),
+        # The first report naming each failed rank, on any rank of this process.
+        "reported": _first_reports(rts),
+    }
+
+
+def _first_reports(rts: dict[int, Any]) -> dict[int, float]:
+    first: dict[int, float] = {}
+    for rt in rts.values():
+        for ev in list(rt.failures):
+            r, t = ev.get("rank"), float(ev.get("t", 0))
+            if isinstance(r, int) and (r not in first or t < first[r]):
+                first[r] = t
+    return first
+
+
+def _stuck(base: Any, rts: dict[int, Any], world: int, victim: int, counts: _Counts) -> Any:
+    """Every virtual rank but ``victim`` enters all_reduce#1; ``victim`` stays outside any
+    collective. Once every heartbeat shows it, all of them time out at the same moment and
+    run ``Runtime.diagnose``, each in a thread of its own over its own connection, as the
+    real op path does. Returns each one's seconds to its verdict and the ranks it names."""
+    for rt in rts.values():
+        if rt.rank != victim:
+            rt.begin_op("all_reduce")
+    time.sleep(2 * INTERVAL_S + 0.1)  # every state published
+    before = counts.total()
+    base.add("bench/stuck_ready", len(rts))
+    while int(base.add("bench/stuck_ready", 0)) < world:
+        time.sleep(0.005)
+    verdicts: dict[int, tuple[float, list[int]]] = {}
+    t0 = time.time()
+
+    def one(rt: Any) -> None:
+        culprits = rt.diagnose(rt.connection("main"), "all_reduce", 1)
+        verdicts[rt.rank] = (time.time() - t0, sorted(int(c["rank"]) for c in culprits))
+
+    threads = [
+        threading.Thread(target=one, args=(rt,), name=f"diagnose-{r}")
+        for r, rt in rts.items()
+        if r != victim
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = counts.total()
+    first = next(iter(rts.values()))
+    return {
+        "verdicts": verdicts,
+        "requests": after[0] - before[0],
+        "read_bytes": after[1] - before[1],
+        "window_s": time.time() - t0,
+        "diagnoses": int(first.control.store.add("diag", 0)),
+    }
 
 
 # -- the parent -----------------------------------------------------------------------------------
@@ -258,6 +341,38 @@ def _healthy(
         "beats_achieved_fraction": round(beats / (world * span / INTERVAL_S), 3),
     }
     return healthy, after
+
+
+def _stuck_trial(
+    cmd_qs: list[Any], out_q: Any, world: int, healthy: dict[str, Any]
+) -> dict[str, Any]:
+    """One virtual rank stuck outside the collective the others wait in: the time until
+    every survivor has a verdict naming it, and the store traffic of the diagnosis beyond
+    the healthy path's."""
+    victim = world // 4 + 1
+    for q in cmd_qs:
+        q.put(("stuck", victim))
+    got = []
+    while len(got) < len(cmd_qs):
+        kind, *rest = out_q.get(timeout=120)
+        if kind == "stuck":
+            got.append(rest[1])
+    verdicts = {int(r): v for g in got for r, v in g["verdicts"].items()}
+    times = sorted(float(v[0]) for v in verdicts.values())
+    right = sum(1 for v in verdicts.values() if list(v[1]) == [victim])
+    window = max(float(g["window_s"]) for g in got)
+    extra = sum(int(g["requests"]) for g in got) - healthy["requests_per_s"] * window
+    extra_read = sum(int(g["read_bytes"]) for g in got) - healthy["read_bytes_per_s"] * window
+    return {
+        "victim": victim,
+        "named_by": right,
+        "of": world - 1,
+        "verdict_median_s": round(statistics.median(times), 3) if times else None,
+        "verdict_max_s": round(times[-1], 3) if times else None,
+        "diagnoses": max(int(g["diagnoses"]) for g in got),
+        "requests_per_rank": round(extra / world, 2),
+        "read_bytes_per_rank": round(extra_read / world),
+    }
 
 
 def _dead(
@@ -306,6 +421,47 @@ def _dead(
     }
 
 
+def _rack(cmd_qs: list[Any], out_q: Any, world: int, dead_victim: int) -> dict[str, Any] | None:
+    """Two adjacent virtual hosts fail together (every watchdog on them freezes at once):
+    how long until each of their ranks is reported, against ``heartbeat_timeout``. The
+    watchers of a host sit on the hosts before it, so a pattern that watches a host only
+    from the host before it misses the second host."""
+    hosts = world // PER_HOST
+    if hosts < 4:  # two failed hosts, the dead trial's, and one more
+        return None
+    h = (3 * hosts) // 4
+    if dead_victim // PER_HOST in (h, h + 1):
+        h = 1
+    victims = list(range(h * PER_HOST, (h + 2) * PER_HOST))
+    for q in cmd_qs:
+        q.put(("kill_many", victims))
+    starts = []
+    while len(starts) < len(cmd_qs):
+        kind, *rest = out_q.get(timeout=60)
+        if kind == "killed_many":
+            starts.append(float(rest[1]))
+    t_kill = min(starts)
+    deadline = time.monotonic() + 3 * TIMEOUT_S + SPREAD_CAP_S
+    while True:
+        time.sleep(0.5)
+        reps = _reports(cmd_qs, out_q)
+        first: dict[int, float] = {}
+        for rep in reps:
+            for r, t in rep["reported"].items():
+                if int(r) in victims and (int(r) not in first or t < first[int(r)]):
+                    first[int(r)] = t
+        if len(first) == len(victims) or time.monotonic() > deadline:
+            break
+    late = sorted(t - t_kill for t in first.values())
+    return {
+        "hosts": [h, h + 1],
+        "victims": len(victims),
+        "reported": len(first),
+        "first_s": round(late[0], 3) if late else None,
+        "last_s": round(late[-1], 3) if len(late) == len(victims) else None,
+    }
+
+
 def measure(world: int, healthy_s: float) -> dict[str, Any]:
     """One W: the healthy path, then a dead rank."""
     ctx = mp.get_context("spawn")
@@ -329,9 +485,19 @@ def measure(world: int, healthy_s: float) -> dict[str, Any]:
             assert kind == "started", kind
         started_s = time.monotonic() - t_start
         time.sleep(2 * INTERVAL_S)  # every watchdog has ticked
-        healthy, after = _healthy(cmd_qs, out_q, server_pid, world, healthy_s)
+        healthy, _ = _healthy(cmd_qs, out_q, server_pid, world, healthy_s)
+        stuck = _stuck_trial(cmd_qs, out_q, world, healthy)
+        after = _reports(cmd_qs, out_q)
         dead = _dead(cmd_qs, out_q, world, after, healthy["read_bytes_per_s"])
-        return {"world": world, "start_s": round(started_s, 1), "healthy": healthy, "dead": dead}
+        rack = _rack(cmd_qs, out_q, world, dead["victim"])
+        return {
+            "world": world,
+            "start_s": round(started_s, 1),
+            "healthy": healthy,
+            "stuck": stuck,
+            "dead": dead,
+            **({"rack": rack} if rack else {}),
+        }
     finally:
         for q in cmd_qs:
             q.put(None)
