@@ -39,6 +39,8 @@ from resilient_ddp._elastic_protocol import (
 from resilient_ddp.elastic_sampler import ElasticBatchSampler
 from resilient_ddp.errors import RankFailureError
 
+from ._counting_store import CountingStore
+
 NEXT_GEN = 7
 
 
@@ -845,33 +847,6 @@ def test_pending_joiners_asks_only_about_ids_in_question() -> None:
 # -- wait loops: one counter a poll, whatever the number of ranks ------------------------------
 # Every rank of a job polls these loops at once, on one store: a poll must cost each rank a
 # fixed number of requests (a counter, a decision key), not one key (or log line) per rank.
-class CountingStore:
-    """A store that records each request made through it: (method, first argument)."""
-
-    def __init__(self, inner: dist.Store) -> None:
-        self.inner = inner
-        self.calls: list[tuple[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self.inner, name)
-
-        def call(*args: Any) -> Any:
-            with self._lock:
-                self.calls.append((name, args[0] if args else None))
-            return fn(*args)
-
-        return call
-
-    def count(self, name: str, where: Callable[[Any], bool] = lambda _: True) -> int:
-        with self._lock:
-            return sum(1 for n, arg in self.calls if n == name and where(arg))
-
-    def wide_checks(self) -> int:
-        """``check`` requests of more than one key."""
-        return self.count("check", lambda keys: len(keys) > 1)
-
-
 def _rt(root: Any, world: int, rank: int = 0, dead: tuple[int, ...] = ()) -> Any:
     cfg = SimpleNamespace(
         op_timeout=timedelta(seconds=5),

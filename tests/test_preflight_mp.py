@@ -7,9 +7,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +22,7 @@ from resilient_ddp.preflight import Environment, check_environment
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _preflight_workers as w
+from ._counting_store import CountingStore
 
 DEADLINE = timedelta(seconds=40)
 
@@ -185,29 +184,6 @@ def test_torchrun_restarts_rendezvous_again_every_time(tmp_path: Path) -> None:
 
 
 # -- the exchange: one counter a poll, whatever the number of ranks --------------------------
-class CountingStore:
-    """A store that records each request made through it: (method, first argument)."""
-
-    def __init__(self, inner: dist.Store) -> None:
-        self.inner = inner
-        self.calls: list[tuple[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self.inner, name)
-
-        def call(*args: Any) -> Any:
-            with self._lock:
-                self.calls.append((name, args[0] if args else None))
-            return fn(*args)
-
-        return call
-
-    def count(self, name: str, where: Callable[[Any], bool] = lambda _: True) -> int:
-        with self._lock:
-            return sum(1 for n, arg in self.calls if n == name and where(arg))
-
-
 def _env(rank: int, world: int) -> Environment:
     return Environment("127.0.0.1", 29500, rank, world, 0, 0, 0, False)
 

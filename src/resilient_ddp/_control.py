@@ -58,8 +58,8 @@ The job (:class:`JobStore`), under ``rd/<job>/``:
 All reads used on the healthy path are of keys known to exist, so no call here waits on the
 store except :meth:`ControlPlane.wait_keys` and :meth:`ControlPlane.read_verdict`, which are
 bounded. Waits for every rank read one counter a poll, and the ranks' keys only once the
-counter says they are all there: O(1) requests a rank a poll, not O(W). Every store error surfaces as
-:class:`ControlPlaneError`.
+counter says they are all there: O(1) requests a rank a poll, not O(W). Every store error
+surfaces as :class:`ControlPlaneError`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -633,6 +633,24 @@ class ControlPlane:
             ) from e
 
 
+def present(check: Callable[[list[str]], bool], keys: Sequence[str]) -> list[bool]:
+    """Which of ``keys`` exist, ``check`` answering for a whole list at once (a store's
+    ``check``). The list is halved where it says no: ``1 + 2 k log2(n / k)`` round trips or
+    so for ``k`` absent keys out of ``n``, instead of ``n`` one by one (all there: one)."""
+    out = [False] * len(keys)
+    spans = [(0, len(keys))]
+    while spans:
+        lo, hi = spans.pop()
+        if hi <= lo:
+            continue
+        if check(list(keys[lo:hi])):
+            out[lo:hi] = [True] * (hi - lo)
+        elif hi - lo > 1:
+            mid = (lo + hi) // 2
+            spans += [(mid, hi), (lo, mid)]
+    return out
+
+
 # Key families a generation creates only for some ops (ControlPlane.note_keys).
 _NOTED_FAMILIES = ("dg/", "inf/")
 
@@ -693,21 +711,8 @@ class JobStore:
         return int(self._c(self.root.add, key, 0))
 
     def _present(self, keys: Sequence[str]) -> list[bool]:
-        """Which of ``keys`` exist. ``check`` answers for all of a list together, so the
-        list is halved where it says no: ``1 + 2 k log2(n / k)`` round trips or so for
-        ``k`` absent keys out of ``n``, instead of ``n`` one by one (``2 n - 1`` at worst)."""
-        out = [False] * len(keys)
-        spans = [(0, len(keys))]
-        while spans:
-            lo, hi = spans.pop()
-            if hi <= lo:
-                continue
-            if self._has(*keys[lo:hi]):
-                out[lo:hi] = [True] * (hi - lo)
-            elif hi - lo > 1:
-                mid = (lo + hi) // 2
-                spans += [(mid, hi), (lo, mid)]
-        return out
+        """Which of ``keys`` exist (:func:`present`)."""
+        return present(lambda ks: self._has(*ks), keys)
 
     def _append(self, key: str, value: dict[str, Any]) -> None:
         self._c(getattr(self.root, "append"), key, "\n" + seal(self.key, key, value) + "\n")  # noqa: B009

@@ -29,7 +29,7 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import nccl_version
+from ._control import present as _present
 from ._control import serve_store
 from .errors import PreflightError, format_rank_table
 
@@ -411,24 +412,6 @@ def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: 
             time.sleep(_POLL_S)
     except (RuntimeError, OSError):  # our own server: nothing more to do for the others
         return
-
-
-def _present(check: Callable[[list[str]], bool], keys: list[str]) -> list[bool]:
-    """Which of ``keys`` exist. ``check`` answers for a whole list: the list is halved
-    where it says no, so that a few missing keys out of many take a few round trips, not
-    one per key (all there: one)."""
-    out = [False] * len(keys)
-    spans = [(0, len(keys))]
-    while spans:
-        lo, hi = spans.pop()
-        if hi <= lo:
-            continue
-        if check(keys[lo:hi]):
-            out[lo:hi] = [True] * (hi - lo)
-        elif hi - lo > 1:
-            mid = (lo + hi) // 2
-            spans += [(mid, hi), (lo, mid)]
-    return out
 
 
 def _call(env: Environment, fn: Any, *args: Any) -> Any:
