@@ -868,7 +868,7 @@ def _rt(root: Any, world: int, rank: int = 0, dead: tuple[int, ...] = ()) -> Any
 
 
 def test_backoff_grows_to_its_cap_resets_and_keeps_to_the_deadline() -> None:
-    poll = elastic._Backoff(4, 2)
+    poll = ctl.Backoff(4, 2)
     waits = [poll.next_wait(0.0) for _ in range(8)]
     assert waits[:3] == pytest.approx([0.005, 0.0075, 0.01125])
     assert waits == sorted(waits)
@@ -878,17 +878,17 @@ def test_backoff_grows_to_its_cap_resets_and_keeps_to_the_deadline() -> None:
     # Never past `until` (but not below the first wait: no busy loop at a deadline).
     assert poll.next_wait(10.0, until=10.002) == pytest.approx(0.005)
     assert poll.next_wait(10.0, until=10.004) == pytest.approx(0.005)
-    assert elastic._Backoff(4, 2).next_wait(10.0, until=9.0) == pytest.approx(0.005)
+    assert ctl.Backoff(4, 2).next_wait(10.0, until=9.0) == pytest.approx(0.005)
 
 
 def test_backoff_keeps_every_rank_together_under_the_store_rate() -> None:
     for ranks, requests in [(8, 1), (250, 2), (1024, 2), (4096, 4)]:
-        poll = elastic._Backoff(ranks, requests)
+        poll = ctl.Backoff(ranks, requests)
         waits = [poll.next_wait(0.0) for _ in range(20)]
-        assert ranks * requests / min(waits) <= elastic._POLL_RATE + 1e-6
-        assert max(waits) == pytest.approx(max(elastic._POLL_MAX_S, waits[0]))
+        assert ranks * requests / min(waits) <= ctl.POLL_RATE + 1e-6
+        assert max(waits) == pytest.approx(max(ctl.POLL_MAX_S, waits[0]))
     # Few ranks: the latency of a shrink or formation stays small.
-    assert elastic._Backoff(32, 2).next_wait(0.0) == pytest.approx(elastic._POLL_S)
+    assert ctl.Backoff(32, 2).next_wait(0.0) == pytest.approx(ctl.POLL_FIRST_S)
 
 
 def test_tally_moves_on_the_first_read_and_on_each_change() -> None:
@@ -1113,7 +1113,7 @@ def test_acks_bound_is_read_once_every_member_is_counted() -> None:
     jobs = ctl.JobStore(store)  # type: ignore[arg-type]
     rt = _rt(store, 3)
     acks = elastic._Tally(lambda: jobs.ack_count(0, 2))
-    poll = elastic._Backoff(3, 4)
+    poll = ctl.Backoff(3, 4)
     jobs.ack(0, 2, 0, 5)
     jobs.ack(0, 2, 1, 6)
     assert elastic._acks_bound(rt, jobs, 2, acks, poll) is None

@@ -651,6 +651,48 @@ def present(check: Callable[[list[str]], bool], keys: Sequence[str]) -> list[boo
     return out
 
 
+# Wait loops that every rank runs at once poll at these intervals (Backoff): the first
+# after POLL_FIRST_S, growing by POLL_GROWTH a poll to POLL_MAX_S while nothing changes,
+# and never shorter than keeps all the ranks' polls together under POLL_RATE requests a
+# second (one store serves about 50k a second on one core; heartbeats need about 4 a rank).
+POLL_FIRST_S = 0.005
+POLL_MAX_S = 0.05
+POLL_GROWTH = 1.5
+POLL_RATE = 20_000.0
+
+
+class Backoff:
+    """The waits between the polls of one wait loop: :data:`POLL_FIRST_S` first, growing
+    by :data:`POLL_GROWTH` a poll up to :data:`POLL_MAX_S`, back to the first after
+    :meth:`reset` (something changed: the next change may come soon).
+
+    ``ranks`` ranks poll together, each making ``requests`` store requests a poll: no wait
+    is shorter than what keeps them under :data:`POLL_RATE` requests a second in all
+    (at two requests a poll: from 50 ranks on, the first wait is longer than
+    :data:`POLL_FIRST_S`, and from 500 on, every wait is that floor)."""
+
+    def __init__(self, ranks: int, requests: int) -> None:
+        floor = max(1, ranks) * max(1, requests) / POLL_RATE
+        self.first = max(POLL_FIRST_S, floor)
+        self.cap = max(POLL_MAX_S, floor)
+        self.interval = self.first
+
+    def reset(self) -> None:
+        self.interval = self.first
+
+    def next_wait(self, now: float, until: float | None = None) -> float:
+        """The seconds to wait now (no later than ``until``, a monotonic time, give or
+        take :data:`POLL_FIRST_S`); the next wait grows."""
+        wait = self.interval
+        if until is not None:
+            wait = min(wait, max(until - now, POLL_FIRST_S))
+        self.interval = min(self.cap, self.interval * POLL_GROWTH)
+        return wait
+
+    def sleep(self, until: float | None = None) -> None:
+        time.sleep(self.next_wait(time.monotonic(), until))
+
+
 # Key families a generation creates only for some ops (ControlPlane.note_keys).
 _NOTED_FAMILIES = ("dg/", "inf/")
 
@@ -1031,25 +1073,28 @@ def boot_id() -> str:
         return ""
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (Linux), or None if it is gone."""
+def proc_stat(path: str) -> tuple[str, list[str]] | None:
+    """A Linux ``stat`` file (``/proc/<pid>/stat``, ``/proc/self/task/<tid>/stat``): the
+    name in it and the fields after the name (the state first), or None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19])
+    # The name may hold spaces and parentheses: it ends at the last ")".
+    return stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux), or None if it is gone."""
+    stat = proc_stat(f"/proc/{pid}/stat")
+    return None if stat is None else int(stat[1][19])
 
 
 def process_state(pid: int) -> str | None:
     """One-letter Linux process state (R, S, D, T, Z, ...), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2]
+    stat = proc_stat(f"/proc/{pid}/stat")
+    return None if stat is None else stat[1][0]
 
 
 def same_process_alive(pid: int, start_time: int | None) -> bool:

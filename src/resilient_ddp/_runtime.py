@@ -56,6 +56,8 @@ _events.install_rank_filter()  # every record of the logger says which rank wrot
 RECOVERY_PHASE = "recovery"
 # The section a joiner is in from its admission to its first collective.
 JOIN_STARTUP_SECTION = "start-up after joining"
+# Verdicts worded from the diagnosing rank's side (the majority rule): never shared.
+_RELATIVE_BLAMES = frozenset({dg.Blame.DIVERGED.name, dg.Blame.THIS_RANK_DIVERGED.name})
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _THREADING_FILE = os.path.abspath(threading.__file__)
@@ -146,7 +148,7 @@ class PendingOp:
 class Runtime:
     """The process's view of the job; see the module docstring."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0915 - one statement per field of the job's view
         self,
         *,
         rank: int,
@@ -210,9 +212,9 @@ class Runtime:
         self.failure_notified = False
         self.event_path: str | None = None  # this process's event file (see _events)
         # The peers' verdict on this rank, raised in its main thread (see tell_main).
-        # told_at: time.monotonic() when the main thread was signalled.
-        self.told_error: RankFailureError | None
-        self.told_error, self.told_at, self.told_delivered = None, 0.0, False
+        self.told_error: RankFailureError | None = None
+        self.told_at = 0.0  # time.monotonic() when the main thread was signalled
+        self.told_delivered = False
         self.lingering = False  # the store host waits for its peers before exiting
         self.watchdog: Watchdog | None = None
         self._connections: dict[str, dist.Store] = {}
@@ -801,7 +803,7 @@ class Runtime:
             verdict: dict[str, Any] = {"by": self.rank, "t": time.time(), "shared": False}
             try:
                 culprits = self._diagnose_here(control, name, seq)
-                divergent = any("DIVERGED" in str(c.get("blame", "")) for c in culprits)
+                divergent = any(c.get("blame") in _RELATIVE_BLAMES for c in culprits)
                 verdict.update(culprits=culprits, shared=not divergent and not self.failed_for(seq))
                 return culprits
             finally:

@@ -69,14 +69,8 @@ log = logging.getLogger("resilient_ddp")
 JOINER_ENV = "RESILIENT_DDP_JOINER"
 UID_ENV = "RESILIENT_DDP_UID"
 # Wait loops poll the store from every rank at once: a few requests a poll, each one a
-# counter or a decision key, never every rank's key (see _Tally). Their interval starts at
-# _POLL_S and grows to _POLL_MAX_S while nothing changes (_Backoff), and never goes below
-# what keeps all the ranks' polls together under _POLL_RATE requests a second: one store
-# serves about 50k a second on one core, and heartbeats need some (about 4 a rank).
-_POLL_S = 0.005
-_POLL_MAX_S = 0.05
-_POLL_GROWTH = 1.5
-_POLL_RATE = 20_000.0
+# counter or a decision key, never every rank's key (see _Tally), at the intervals of a
+# ctl.Backoff.
 _RECHECK_S = 0.1  # while waiting for acknowledgements: how often the requests are re-read
 # The heartbeat phase of a rank that sends or receives an admission's state: busy, not
 # missing, however long a large state takes.
@@ -518,38 +512,6 @@ def _jobs(root: dist.Store) -> ctl.JobStore:
     return ctl.JobStore(root)
 
 
-class _Backoff:
-    """The waits between the polls of one wait loop: :data:`_POLL_S` first, growing by
-    :data:`_POLL_GROWTH` a poll up to :data:`_POLL_MAX_S`, back to the first after
-    :meth:`reset` (something changed: the next change may come soon).
-
-    ``ranks`` ranks poll together, each making ``requests`` store requests a poll: no wait
-    is shorter than what keeps them under :data:`_POLL_RATE` requests a second in all
-    (at two requests a poll: from 50 ranks on, the first wait is longer than
-    :data:`_POLL_S`, and from 500 on, every wait is that floor)."""
-
-    def __init__(self, ranks: int, requests: int) -> None:
-        floor = max(1, ranks) * max(1, requests) / _POLL_RATE
-        self.first = max(_POLL_S, floor)
-        self.cap = max(_POLL_MAX_S, floor)
-        self.interval = self.first
-
-    def reset(self) -> None:
-        self.interval = self.first
-
-    def next_wait(self, now: float, until: float | None = None) -> float:
-        """The seconds to wait now (no later than ``until``, a monotonic time, give or
-        take :data:`_POLL_S`); the next wait grows."""
-        wait = self.interval
-        if until is not None:
-            wait = min(wait, max(until - now, _POLL_S))
-        self.interval = min(self.cap, self.interval * _POLL_GROWTH)
-        return wait
-
-    def sleep(self, until: float | None = None) -> None:
-        time.sleep(self.next_wait(time.monotonic(), until))
-
-
 class _Tally:
     """An arrival counter (:meth:`JobStore._tally <._control.JobStore._tally>`) as a
     waiter sees it: read once a poll, one request, whatever the number of ranks.
@@ -601,7 +563,7 @@ def _agree(
     props: dict[int, proto.Proposal] = {}
     known: tuple[set[int], set[int]] | None = None  # the watchdog's (gone, dead), last seen
     # A poll: the decision, the proposal count, and the watchdog's tick (poked: two).
-    poll = _Backoff(len(candidates), 4)
+    poll = ctl.Backoff(len(candidates), 4)
     while True:
         taken = jobs.decision(decided)
         if taken is not None:
@@ -704,7 +666,7 @@ def _form(
     world = len(members)
     arrived = _Tally(functools.partial(jobs.ready_count, gen))
     looked_at: set[int] = set()  # dead old ranks whose arrival was read
-    poll = _Backoff(world, 1)
+    poll = ctl.Backoff(world, 1)
     while True:
         # The flags are read when the count says every member arrived (or at the
         # deadline: a count can lag its flags), not on every poll.
@@ -951,7 +913,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
     deadline = time.monotonic() + _form_timeout(rt.config)
     confirmed = _Tally(functools.partial(jobs.has_state_count, gen))
     missing: list[int] | None = None  # who had not confirmed at the last look (past the deadline)
-    poll = _Backoff(world, 2)
+    poll = ctl.Backoff(world, 2)
     while (taken := jobs.decision(result)) is None:
         # Every rank's confirmation is read when the count says all confirmed, not on
         # every poll.
@@ -1059,7 +1021,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     recheck = 0.0  # when the pending requests are read again while waiting
     acks: dict[int, _Tally] = {}  # the acknowledgement count of each round waited for
     # A poll: the decision, the request count (two), the acknowledgement count.
-    poll = _Backoff(rt.world_size, 4)
+    poll = ctl.Backoff(rt.world_size, 4)
     while True:
         taken = jobs.decision(key)
         if taken is not None:
@@ -1102,7 +1064,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
 
 
 def _acks_bound(
-    rt: Runtime, jobs: ctl.JobStore, n: int, acks: _Tally, poll: _Backoff
+    rt: Runtime, jobs: ctl.JobStore, n: int, acks: _Tally, poll: ctl.Backoff
 ) -> int | None:
     """:meth:`JobStore.ack_bound <._control.JobStore.ack_bound>` of round ``n``, read only
     when its count ``acks`` moved to every member (None otherwise)."""
@@ -1345,7 +1307,7 @@ def _await_members(jobs: ctl.JobStore, adm: dict[str, Any], deadline: float, uid
     arrived = _Tally(functools.partial(jobs.ready_count, gen))
     # A poll: the arrival count, the end of the job (one, or more if garbage), the
     # generation (two); the joiners poll, not the members.
-    poll = _Backoff(len(adm["joiners"]), 4)
+    poll = ctl.Backoff(len(adm["joiners"]), 4)
     while True:
         # The members' flags are read when the count says they may all be there (the
         # joiners count too, once they arrive: after this).

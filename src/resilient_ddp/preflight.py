@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ._backend import nccl_version
+from ._control import Backoff, serve_store
 from ._control import present as _present
-from ._control import serve_store
 from .errors import PreflightError, format_rank_table
 
 __all__ = [
@@ -54,12 +54,7 @@ __all__ = [
 
 _PREFIX = "rd/preflight"
 _COMPARED = ("python", "torch", "cuda", "nccl")
-# While waiting for the others, a rank polls an arrival counter and the verdict key: every
-# _POLL_FIRST_S at first, growing by half a poll to _POLL_S, and never more often than keeps
-# every rank's polls together under _POLL_RATE store requests a second.
-_POLL_FIRST_S = 0.005
-_POLL_S = 0.05
-_POLL_RATE = 20_000.0
+_POLL_S = 0.05  # rank 0, lingering until the others read its verdict
 
 
 @dataclass(frozen=True)
@@ -355,12 +350,12 @@ def _exchange(
     verdict = f"{prefix}/verdict"
     # ``check`` and ``add(counter, 0)`` never block (a timed ``wait`` would log a warning on
     # every expiry): two requests a poll, whatever the number of ranks.
-    first = max(_POLL_FIRST_S, 2 * env.world_size / _POLL_RATE)
-    wait, seen = first, -1
+    poll, seen = Backoff(env.world_size, 2), -1
     while time.monotonic() < deadline:
         count = int(_call(env, store.add, counter, 0))
         if count != seen:
-            wait, seen = first, count
+            poll.reset()
+            seen = count
             if count >= env.world_size and _call(env, store.check, keys):
                 break
         if _call(env, store.check, [verdict]):
@@ -371,8 +366,7 @@ def _exchange(
                 f"rank {env.rank} raises it too)",
                 problems=list(told["problems"]),
             )
-        time.sleep(min(wait, max(deadline - time.monotonic(), _POLL_FIRST_S)))
-        wait = min(max(_POLL_S, first), wait * 1.5)
+        poll.sleep(deadline)
     present = _present(functools.partial(_call, env, store.check), keys)
     arrived = [r for r, there in enumerate(present) if there]
     values = _call(env, store.multi_get, [keys[r] for r in arrived]) if arrived else []

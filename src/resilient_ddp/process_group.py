@@ -374,17 +374,9 @@ def _runnable_backend_threads() -> int | None:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return None
-    n = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # the thread ended
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        if name in _BACKEND_WORKERS and stat[stat.rfind(")") + 2 :].startswith("R"):
-            n += 1
-    return n
+    stats = [ctl.proc_stat(f"/proc/self/task/{tid}/stat") for tid in tids]
+    # None: the thread ended meanwhile.
+    return sum(1 for s in stats if s is not None and s[0] in _BACKEND_WORKERS and s[1][0] == "R")
 
 
 def _let_backend_threads_settle(timeout_s: float) -> bool:
