@@ -303,15 +303,21 @@ def _stuck(base: Any, rts: dict[int, Any], world: int, victim: int, counts: _Cou
 
 
 # -- the parent -----------------------------------------------------------------------------------
-def _reports(cmd_qs: list[Any], out_q: Any) -> list[dict[str, Any]]:
+def _ask(cmd_qs: list[Any], out_q: Any, cmd: str, arg: Any, reply: str, replies: int) -> list[Any]:
+    """Send ``(cmd, arg)`` to every worker; the payloads of the first ``replies`` answers
+    of kind ``reply`` (each answer is ``(kind, sender, payload)``)."""
     for q in cmd_qs:
-        q.put(("report", None))
+        q.put((cmd, arg))
     got = []
-    while len(got) < len(cmd_qs):
+    while len(got) < replies:
         kind, *rest = out_q.get(timeout=120)
-        if kind == "report":
+        if kind == reply:
             got.append(rest[1])
     return got
+
+
+def _reports(cmd_qs: list[Any], out_q: Any) -> list[dict[str, Any]]:
+    return _ask(cmd_qs, out_q, "report", None, "report", len(cmd_qs))
 
 
 def _sum(reports: list[dict[str, Any]], i: int) -> int:
@@ -350,13 +356,7 @@ def _stuck_trial(
     every survivor has a verdict naming it, and the store traffic of the diagnosis beyond
     the healthy path's."""
     victim = world // 4 + 1
-    for q in cmd_qs:
-        q.put(("stuck", victim))
-    got = []
-    while len(got) < len(cmd_qs):
-        kind, *rest = out_q.get(timeout=120)
-        if kind == "stuck":
-            got.append(rest[1])
+    got = _ask(cmd_qs, out_q, "stuck", victim, "stuck", len(cmd_qs))
     verdicts = {int(r): v for g in got for r, v in g["verdicts"].items()}
     times = sorted(float(v[0]) for v in verdicts.values())
     right = sum(1 for v in verdicts.values() if list(v[1]) == [victim])
@@ -386,13 +386,8 @@ def _dead(
     is reported and spreads; ``read_rate`` is the healthy path's bytes read per second."""
     victim = world // 2 + 1
     reads0, t_reads0 = _sum(after, 1), time.monotonic()
-    for q in cmd_qs:
-        q.put(("kill", victim))
-    t_kill = None
-    while t_kill is None:
-        kind, *rest = out_q.get(timeout=60)
-        if kind == "killed":
-            t_kill = float(rest[1])
+    # Only the worker holding the victim answers.
+    (t_kill,) = _ask(cmd_qs, out_q, "kill", victim, "killed", 1)
     deadline = time.monotonic() + TIMEOUT_S + SPREAD_CAP_S
     while True:
         time.sleep(0.5)
@@ -433,14 +428,7 @@ def _rack(cmd_qs: list[Any], out_q: Any, world: int, dead_victim: int) -> dict[s
     if dead_victim // PER_HOST in (h, h + 1):
         h = 1
     victims = list(range(h * PER_HOST, (h + 2) * PER_HOST))
-    for q in cmd_qs:
-        q.put(("kill_many", victims))
-    starts = []
-    while len(starts) < len(cmd_qs):
-        kind, *rest = out_q.get(timeout=60)
-        if kind == "killed_many":
-            starts.append(float(rest[1]))
-    t_kill = min(starts)
+    t_kill = min(_ask(cmd_qs, out_q, "kill_many", victims, "killed_many", len(cmd_qs)))
     deadline = time.monotonic() + 3 * TIMEOUT_S + SPREAD_CAP_S
     while True:
         time.sleep(0.5)
