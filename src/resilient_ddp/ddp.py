@@ -886,10 +886,13 @@ def _check_agreement(
             problems.append(
                 f"{key} differs: " + ", ".join(f"rank {r}: {v}" for r, v in values.items())
             )
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and a job that puts
+    # them there meant one GPU each. Gloo moves CUDA tensors through the host, so ranks
+    # sharing a GPU is legal there (a workstation with one GPU).
     users: dict[tuple[str, str], int] = {}
     for r, row in enumerate(rows):
         env = row["env"]
-        if env["device"].startswith("cuda"):
+        if env["device"].startswith("cuda") and "nccl" in env["backend"]:
             gpu = (env["host"], env["gpu"] or env["device"])
             if gpu in users:
                 problems.append(
