@@ -1035,6 +1035,34 @@ class JobStore:
             deleted += bool(self._c(self.root.delete_key, key))
         return deleted
 
+    # -- one decider -------------------------------------------------------------------------
+    def claim_decision(self, generation: int, name: str, rank: int) -> int | None:
+        """Claim the decision ``name`` of generation ``generation`` for ``rank``, unless a
+        rank claimed it first: one ``compare_set`` on ``g<N>/dg/<name>/claim``, whatever
+        the number of ranks. The winner records the key's name in ``g<N>/extra``, so that
+        :meth:`forget_generation` deletes it with the generation's other ``dg/`` keys.
+
+        Does not block beyond the round trips (two for the winner, one for the others).
+
+        Returns:
+            The rank whose claim stands: ``rank`` when this call made it, another when that
+            rank came first; ``None`` when the key holds something that is not a valid
+            claim (written by a process outside the job): then no rank is the decider.
+
+        Raises:
+            ControlPlaneError: The store is unreachable.
+        """
+        key = f"g{generation}/dg/{name}/claim"
+        mine = seal(self.key, key, {"rank": rank})
+        rec = unseal_dict(self.key, key, self._c(self.root.compare_set, key, "", mine))
+        who = rec.get("rank") if rec is not None else None
+        if not isinstance(who, int) or isinstance(who, bool):
+            return None
+        if who == rank:
+            extra = f"g{generation}/extra"
+            self._c(getattr(self.root, "append"), extra, f"dg/{name}/claim\n")  # noqa: B009
+        return who
+
 
 def read_log(key: bytes | None, name: str, raw: bytes) -> list[dict[str, Any]]:
     """The valid records of a JSON-lines log stored under ``name``, in order."""

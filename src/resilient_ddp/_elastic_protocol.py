@@ -5,8 +5,9 @@ acts on the decisions; everything here is a function of explicit inputs, so each
 be tested with a table of cases.
 
 **Shrink.** Each survivor of generation ``N`` posts a :class:`Proposal`. Once
-:func:`should_decide` says so, any survivor computes :func:`decide_shrink` and the first
-``compare_set`` of its :meth:`ShrinkDecision.to_json` wins.
+:func:`should_decide` says so, the survivor that claimed the round (the others wait for it,
+and take its place only if it fails) computes :func:`decide_shrink`, and the first
+``compare_set`` of a :meth:`ShrinkDecision.to_json` wins.
 
 **Grow.** Members acknowledge the join requests they saw (:func:`needs_ack`,
 :func:`ack_key`); once :func:`acks_complete`, the first member to see it computes

@@ -6,8 +6,10 @@ Everything here goes through the control-plane store, never through the broken d
 peer failed posts a proposal under ``rd/rec/g<N>/r<k>/``: its member id, how many steps it
 has committed (gradient reductions completed), and where it is (``forward`` or
 ``reduce``, with or without its local gradients). Once every rank of generation ``N`` has
-proposed or is known to have failed (the watchdog's reports), or ``op_timeout`` passed, any
-rank computes the decision from the proposals and the first ``compare_set`` wins, so every
+proposed or is known to have failed (the watchdog's reports), or ``op_timeout`` passed, the
+first rank to claim the round reads the proposals, decides and publishes the decision; the
+others wait for it, reading one key a poll, and decide themselves only if that rank fails
+or does not publish in time. The first decision stored (``compare_set``) wins, so every
 rank acts on the same one:
 
 * the members of the next generation (those that proposed, in their old order);
@@ -543,6 +545,38 @@ def _agree(
     has_grads: bool,
     basis: tuple[int, int],
 ) -> dict[str, Any]:
+    """Post this rank's proposal for shrink round ``base`` and return the round's decision.
+
+    Every survivor waits, reading the decision and the proposal count (one key each) a
+    poll, until a decision may be due (:func:`_may_decide`) or ``op_timeout`` passed. Then
+    the first survivor to claim the round (:meth:`JobStore.claim_decision
+    <._control.JobStore.claim_decision>`) reads the proposal log, decides and publishes
+    (:func:`_decide_round`); the others wait for its decision, one key a poll
+    (:func:`_await_decision`), and read the log and decide themselves only if the decider
+    is reported failed or has not published within ``grace`` plus two heartbeat intervals
+    and a second: the first decision stored wins either way. So one rank reads the log
+    (``W`` lines) per round, not every one of them: O(W) bytes in all, not O(W^2).
+
+    Args:
+        rt: This rank's runtime.
+        el: Its elastic state (member id, committed steps).
+        base: The round's key prefix, ``rec/g<N>/r<k>``.
+        candidates: The ranks of generation ``N`` taking part in the round.
+        where: Where this rank failed: ``"reduce"`` or ``"forward"``.
+        has_grads: Whether it still holds its local gradients of the step in flight.
+        basis: ``(N, its world size)``, for the majority rule.
+
+    Blocks about ``op_timeout`` at most, plus the wait for a decider (a few heartbeat
+    intervals) when the deadline decides.
+
+    Returns:
+        The decision (:meth:`ShrinkDecision.to_json
+        <._elastic_protocol.ShrinkDecision.to_json>`).
+
+    Raises:
+        ControlPlaneError: The store is unreachable, or holds garbage in every decision
+            slot.
+    """
     jobs = _jobs(rt.control_root)
     mine = proto.Proposal(
         rank=rt.rank,
@@ -554,9 +588,106 @@ def _agree(
     jobs.post_proposal(base, mine.to_json())
     cfg = rt.config
     deadline = time.monotonic() + cfg.op_timeout.total_seconds()
-    # A rank named by a timeout but not known dead may only have been slower to give up
-    # (it timed out too and is on its way here): it gets a short grace to propose.
-    grace = min(cfg.op_timeout.total_seconds(), 2 * cfg.heartbeat_interval.total_seconds() + 0.5)
+    decided = f"{base}/d"
+    count = _Tally(functools.partial(jobs.proposal_count, base))
+    # A poll: the decision, the proposal count, and the watchdog's tick (poked: two).
+    poll = ctl.Backoff(len(candidates), 4)
+    known: tuple[set[int], set[int]] | None = None  # the watchdog's (gone, dead), last seen
+    while True:
+        taken = jobs.decision(decided)
+        if taken is not None:
+            return taken
+        moved = count.moved()
+        gone, dead = _gone(rt)
+        changed = known != (gone, dead)
+        known = (gone, dead)
+        if moved or changed:
+            poll.reset()
+        if _may_decide(count.value, gone, candidates) or time.monotonic() >= deadline:
+            break
+        if rt.watchdog is not None:
+            rt.watchdog.poke()
+        poll.sleep(deadline)
+    decider = jobs.claim_decision(basis[0], base, rt.rank)
+    if decider is not None and decider != rt.rank and decider in candidates:
+        taken = _await_decision(rt, jobs, decided, decider, len(candidates))
+        if taken is not None:
+            return taken
+    return _decide_round(rt, el, jobs, base, candidates, basis, deadline)
+
+
+def _grace(cfg: Any) -> float:
+    """Seconds a rank named by a timeout, but not known dead, is waited for: it may only
+    have been slower to give up (it timed out too and is on its way to propose)."""
+    return float(
+        min(cfg.op_timeout.total_seconds(), 2 * cfg.heartbeat_interval.total_seconds() + 0.5)
+    )
+
+
+def _await_decision(
+    rt: Runtime, jobs: ctl.JobStore, decided: str, decider: int, ranks: int
+) -> dict[str, Any] | None:
+    """Wait for rank ``decider``'s decision under ``decided``, reading that one key a poll.
+
+    Gives up when the watchdog reports ``decider`` failed since the claim (dead, or silent
+    when it was not before), or after the longest a healthy decider may take: the grace
+    for silent ranks, plus two heartbeat intervals and a second (as a diagnosis is waited
+    for). ``ranks`` ranks wait together (the poll interval keeps them under the store's
+    rate).
+
+    Returns:
+        The decision, or ``None``: the caller decides itself.
+
+    Raises:
+        ControlPlaneError: The store is unreachable.
+    """
+    cfg = rt.config
+    margin = 2 * cfg.heartbeat_interval.total_seconds() + 1.0
+    until = time.monotonic() + _grace(cfg) + margin
+    silent_before, _ = _gone(rt)
+    poll = ctl.Backoff(ranks, 1)
+    while True:
+        taken = jobs.decision(decided)
+        if taken is not None:
+            return taken
+        gone, dead = _gone(rt)
+        failed = decider in dead or (decider in gone and decider not in silent_before)
+        if failed or time.monotonic() >= until:
+            log.info(
+                "rank %d: rank %d claimed the decision under %s but %s; deciding here",
+                rt.rank,
+                decider,
+                decided,
+                "failed" if failed else "did not publish it in time",
+            )
+            return None
+        poll.sleep(until)
+
+
+def _decide_round(
+    rt: Runtime,
+    el: Elastic,
+    jobs: ctl.JobStore,
+    base: str,
+    candidates: list[int],
+    basis: tuple[int, int],
+    deadline: float,
+) -> dict[str, Any]:
+    """Decide shrink round ``base`` from its proposal log: as soon as every candidate has
+    proposed or is known dead, or every one that has not is gone and silent for a grace
+    (:func:`._elastic_protocol.should_decide`), or at ``deadline``; the first decision
+    stored wins (another rank's may be there first). Reads the log when the proposal
+    count or the watchdog's view moved and a decision may be due, and once more to decide
+    unless it was just read.
+
+    Returns:
+        The decision taken.
+
+    Raises:
+        ControlPlaneError: The store is unreachable, or holds garbage in every slot.
+    """
+    cfg = rt.config
+    grace = _grace(cfg)
     silent_since: float | None = None
     decided = f"{base}/d"
     count = _Tally(functools.partial(jobs.proposal_count, base))
@@ -572,6 +703,7 @@ def _agree(
         gone, dead = _gone(rt)
         changed = known != (gone, dead)
         known = (gone, dead)
+        fresh = False  # whether the log was read in this poll
         if moved or changed:
             poll.reset()
             # The log holds a line per proposer: read it only when the count moved (or
@@ -579,6 +711,7 @@ def _agree(
             # read late only make the ranks waited for more, which never decides sooner.
             if _may_decide(count.value, gone, candidates):
                 props = proto.parse_proposals(jobs.proposals(base))
+                fresh = True
         waiting = [r for r in candidates if r not in props]
         now = time.monotonic()
         decide, silent_since = proto.should_decide(
@@ -592,9 +725,10 @@ def _agree(
             deadline=deadline,
         )
         if decide:
-            # The log itself: a proposer that died between its line and its count is in
-            # the log only.
-            props = proto.parse_proposals(jobs.proposals(base))
+            if not fresh:
+                # The log itself: a proposer that died between its line and its count is
+                # in the log only.
+                props = proto.parse_proposals(jobs.proposals(base))
             dec = proto.decide_shrink(
                 props,
                 candidates=candidates,
