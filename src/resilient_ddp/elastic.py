@@ -605,7 +605,11 @@ def _agree(
             poll.reset()
         if _may_decide(count.value, gone, candidates) or time.monotonic() >= deadline:
             break
-        if rt.watchdog is not None:
+        # While proposals come in, the decision waits for them; once they stop, it may
+        # wait for a failure report: the watchdog ticks now rather than at its interval.
+        # (At W = 1024 the survivors learn of a failure over a heartbeat interval, and
+        # the early ones' watchdogs ticking at every poll slowed the others' down.)
+        if not moved and rt.watchdog is not None:
             rt.watchdog.poke()
         poll.sleep(deadline)
     decider = jobs.claim_decision(basis[0], base, rt.rank)
