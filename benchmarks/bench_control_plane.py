@@ -28,6 +28,15 @@ Per W:
    has it recorded (``Runtime.failures``), and the store bytes read per rank meanwhile.
 4. **A rack** (W >= 32, 4 virtual hosts): every rank of two adjacent virtual hosts
    freezes at once; the time until each of them is reported.
+5. **A shrink** (last: the ranks that failed in the trials before are not candidates): one
+   more virtual rank is killed (its watchdog stops and a peer of its virtual host reports
+   it dead, as the pid check does). Each other virtual rank, once its watchdog has
+   recorded the report (when a real rank's collective fails), runs the library's real
+   agreement (``elastic._agree``, a thread and its own connection each, with
+   ``on_failure="shrink"``'s proposal: the data plane and the rebuild of the group are left
+   out). Measured: the time from the report until each rank has the decision, how many
+   ranks agree on it, how many read the round's whole proposal log (one is the goal: the
+   others wait for its decider's decision), and each rank's store requests and bytes.
 
 What a simulation on 2 cores can say: the store's load, in requests and bytes, and how
 it grows with W are the library's, whatever the machine; the CPU a TCPStore needs per
@@ -37,7 +46,7 @@ its own.
 
 Usage::
 
-    python benchmarks/bench_control_plane.py                 # W = 16 .. 1024, ~3 minutes
+    python benchmarks/bench_control_plane.py                 # W = 16 .. 1024, ~6 minutes
     python benchmarks/bench_control_plane.py --worlds 4096   # one W
     python benchmarks/bench_control_plane.py --quick         # W = 16 and 64, short phases
 """
@@ -74,6 +83,7 @@ TIMEOUT_S = 3.0  # heartbeat_timeout (default 15 s): shorter, so that a trial is
 HEALTHY_S = 10.0
 QUICK_HEALTHY_S = 3.0
 SPREAD_CAP_S = 30.0  # a report not everywhere after this long counts as not propagated
+SHRINK_STEP = 100  # the steps every virtual rank has committed when the shrink trial starts
 
 
 def _config() -> Any:
@@ -106,10 +116,11 @@ def _cpu_s(pid: int) -> float:
 
 # -- a worker process: its share of the virtual ranks -------------------------------------------
 class _Counts:
-    """Store requests and bytes, per thread name, counted in ``ControlPlane._call``."""
+    """Store requests and bytes, per thread name, counted in ``ControlPlane._call``: per
+    thread ``[requests, bytes read, bytes written, shrink logs read, their bytes]``."""
 
     def __init__(self) -> None:
-        self.by_thread: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+        self.by_thread: dict[str, list[int]] = collections.defaultdict(lambda: [0] * 5)
         self.lock = threading.Lock()
 
     def total(self) -> list[int]:
@@ -128,9 +139,11 @@ def _count_calls(counts: _Counts) -> None:
         name = getattr(fn, "__name__", "")
         if name == "set_timeout":
             return result  # local to the client
-        got = put = 0
+        got = put = logs = 0
         if name == "get":
             got = len(result)
+            # A whole proposal log of a shrink round (rec/g<N>/r<k>/log).
+            logs = int(str(args[0]).startswith("rec/") and str(args[0]).endswith("/log"))
         elif name == "multi_get":
             got = sum(len(v) for v in result)
         elif name in ("set", "append", "compare_set") and len(args) >= 2:
@@ -140,6 +153,8 @@ def _count_calls(counts: _Counts) -> None:
             row[0] += 1
             row[1] += got
             row[2] += put
+            row[3] += logs
+            row[4] += got * logs
         return result
 
     ctl.ControlPlane._call = staticmethod(counting)  # type: ignore[method-assign]
@@ -162,6 +177,8 @@ def worker(port: int, ranks: list[int], world: int, cmd_q: Any, out_q: Any) -> N
     base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     root = ctl.root_prefix(base, "bench", "secret")
     rts: dict[int, Any] = {}
+    # Called after a virtual rank's watchdog records events (the shrink trial's trigger).
+    listeners: dict[int, Any] = {}
     for r in ranks:
         rt = Runtime(rank=r, world_size=world, backend="gloo", control_root=root, config=cfg)
         # Another (virtual) host's process for the pid checks: none made.
@@ -186,6 +203,9 @@ def worker(port: int, ranks: list[int], world: int, cmd_q: Any, out_q: Any) -> N
             record(events)
             if rt.failures and rt.rank not in detected:
                 detected[rt.rank] = time.time()
+            listener = listeners.get(rt.rank)
+            if listener is not None:
+                listener()
 
         rt.record_events = wrapped
         rt.watchdog = Watchdog(rt)  # connects: seconds for many ranks
@@ -199,7 +219,7 @@ def worker(port: int, ranks: list[int], world: int, cmd_q: Any, out_q: Any) -> N
         rt.control.publish_state(rt.rank, rt.snapshot(0))
         rt.watchdog.start()
     out_q.put(("started", os.getpid(), len(ranks)))
-    _commands(cmd_q, out_q, base, rts, world, counts, detected)
+    _commands(cmd_q, out_q, base, rts, world, counts, detected, listeners)
 
 
 def _commands(
@@ -210,11 +230,14 @@ def _commands(
     world: int,
     counts: _Counts,
     detected: dict[int, float],
+    listeners: dict[int, Any],
 ) -> None:
     """Answer the parent's commands until it sends None, then stop the virtual ranks."""
     for cmd, arg in iter(cmd_q.get, None):
         if cmd == "stuck":
             out_q.put(("stuck", os.getpid(), _stuck(base, rts, world, arg, counts)))
+        elif cmd == "shrink":
+            out_q.put(("shrink", os.getpid(), _shrink(base, rts, world, arg, counts, listeners)))
         elif cmd == "kill" and arg in rts:
             t = time.time()
             rts[arg].watchdog.stop(timeout=5.0)
@@ -299,6 +322,112 @@ def _stuck(base: Any, rts: dict[int, Any], world: int, victim: int, counts: _Cou
         "read_bytes": after[1] - before[1],
         "window_s": time.time() - t0,
         "diagnoses": int(first.control.store.add("diag", 0)),
+    }
+
+
+class _Agreeing:
+    """A virtual rank's ``Runtime`` as ``elastic._agree`` uses it, over the rank's own
+    ``"main"`` connection (in a process of the virtual ranks, ``control_root`` is one
+    connection for all of them; a real rank's main thread has its own)."""
+
+    def __init__(self, rt: Any, root: Any) -> None:
+        self._rt = rt
+        self.control_root = root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+
+def _shrink(
+    base: Any,
+    rts: dict[int, Any],
+    world: int,
+    arg: dict[str, Any],
+    counts: _Counts,
+    listeners: dict[int, Any],
+) -> dict[str, Any]:
+    """Kill virtual rank ``arg["victim"]`` (if this process holds it: its watchdog stops,
+    and a peer of its virtual host reports it dead); every other candidate of this process
+    runs ``elastic._agree`` in a thread of its own once its watchdog has recorded the
+    report. Returns the report's time, each rank's times of entry and decision and its
+    decision, and each agreeing thread's store counts."""
+    from types import SimpleNamespace
+
+    from resilient_ddp import _control as ctl
+    from resilient_ddp import elastic
+
+    victim, excluded = int(arg["victim"]), set(arg["excluded"])
+    candidates = [r for r in range(world) if r not in excluded]
+    survivors = [r for r in candidates if r != victim and r in rts]
+    round_key = "rec/g0/r0"
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+
+    def one(rt: Any, failed: threading.Event) -> None:
+        failed.wait(60)  # this rank learns of the failure: its collective fails
+        t_in = time.time()
+        el = SimpleNamespace(uid=rt.rank, committed=SHRINK_STEP)
+        try:
+            dec = elastic._agree(
+                _Agreeing(rt, rt.connection("main").root),
+                el,
+                round_key,
+                candidates,
+                "reduce",
+                True,
+                (0, world),
+            )
+        except Exception as e:  # noqa: BLE001 - reported in the row, never silent
+            errors.append(f"rank {rt.rank}: {type(e).__name__}: {e}")
+            return
+        results[rt.rank] = (t_in, time.time(), dec.get("gen"), dec.get("members"))
+
+    threads = []
+    for r in survivors:
+        rt, failed = rts[r], threading.Event()
+
+        def listener(rt: Any = rt, failed: threading.Event = failed) -> None:
+            if any(ev.get("rank") == victim for ev in list(rt.failures)):
+                failed.set()
+
+        listeners[r] = listener
+        threads.append(threading.Thread(target=one, args=(rt, failed), name=f"shrink-{r}"))
+    for t in threads:
+        t.start()
+    if victim in rts:
+        rts[victim].watchdog.stop(timeout=5.0)  # killed: its heartbeat stops
+    before, t_before = counts.total(), time.time()
+    base.add("bench/shrink_ready", len(rts))
+    while int(base.add("bench/shrink_ready", 0)) < world:
+        time.sleep(0.005)
+    t_report = None
+    if victim in rts:
+        # A peer on the victim's virtual host reports it, as its pid check would.
+        host = victim // PER_HOST
+        peer = next(r for r in rts if r != victim and r // PER_HOST == host)
+        control = rts[peer].control
+        t_report = time.time()
+        if control.claim(victim):
+            culprit = ctl.culprit_from(
+                victim, what="died (simulated kill)", info=rts[peer].infos.get(victim)
+            )
+            event = {"kind": ctl.EV_CRASH, "rank": victim, "reporter": peer, "gen": 0}
+            control.post_events([{**event, "t": t_report, "culprit": culprit}])
+        rts[peer].watchdog.poke()
+    for t in threads:
+        t.join(120)
+    listeners.clear()
+    after = counts.total()
+    with counts.lock:
+        per_thread = {r: list(counts.by_thread[f"shrink-{r}"]) for r in survivors}
+    return {
+        "t_report": t_report,
+        "results": results,
+        "errors": errors,
+        "counts": per_thread,
+        "requests": after[0] - before[0],
+        "read_bytes": after[1] - before[1],
+        "window_s": time.time() - t_before,
     }
 
 
@@ -450,8 +579,59 @@ def _rack(cmd_qs: list[Any], out_q: Any, world: int, dead_victim: int) -> dict[s
     }
 
 
+def _shrink_trial(
+    cmd_qs: list[Any], out_q: Any, world: int, excluded: list[int], healthy: dict[str, Any]
+) -> dict[str, Any]:
+    """One more virtual rank killed, the others agreeing on the next generation without it
+    (``excluded``: the ranks that failed in the trials before, not candidates)."""
+    victim = next(r for r in range(world // 4 + 2, world) if r not in excluded)
+    arg = {"victim": victim, "excluded": excluded}
+    got = _ask(cmd_qs, out_q, "shrink", arg, "shrink", len(cmd_qs))
+    t_report = next(float(g["t_report"]) for g in got if g["t_report"] is not None)
+    results = {int(r): v for g in got for r, v in g["results"].items()}
+    errors = [e for g in got for e in g["errors"]]
+    counts = [c for g in got for c in g["counts"].values()]
+    decided = sorted(float(v[1]) - t_report for v in results.values())
+    entered = sorted(float(v[0]) - t_report for v in results.values())
+    decisions = collections.Counter(json.dumps([v[2], v[3]]) for v in results.values())
+    common, agree = decisions.most_common(1)[0] if decisions else ("[null, []]", 0)
+    members = json.loads(common)[1] or []
+    readers = [c for c in counts if c[3]]
+    survivors = world - len(excluded) - 1
+    window = max(float(g["window_s"]) for g in got)
+    extra = sum(int(g["requests"]) for g in got) - healthy["requests_per_s"] * window
+    extra_read = sum(int(g["read_bytes"]) for g in got) - healthy["read_bytes_per_s"] * window
+    return {
+        "victim": victim,
+        "candidates": world - len(excluded),
+        "decided": len(results),
+        "of": survivors,
+        "errors": errors[:5],
+        "agree": agree,
+        "members": len(members),
+        "victim_removed": victim not in members,
+        # From the report: the last survivor to learn of it (and propose), and the
+        # decision on each rank; from the last proposal to the last rank's decision.
+        "entered_max_s": round(entered[-1], 3) if entered else None,
+        "decided_median_s": round(statistics.median(decided), 3) if decided else None,
+        "decided_max_s": round(decided[-1], 3) if decided else None,
+        "after_last_entry_s": round(decided[-1] - entered[-1], 3) if decided else None,
+        "log_readers": len(readers),
+        "log_reads": sum(c[3] for c in counts),
+        "log_bytes": max((c[4] // max(c[3], 1) for c in readers), default=0),
+        # The agreeing threads' own requests and bytes, per survivor ...
+        "requests_per_rank": round(sum(c[0] for c in counts) / max(survivors, 1), 2),
+        "read_bytes_per_rank": round(sum(c[1] for c in counts) / max(survivors, 1)),
+        "max_requests_one_rank": max((c[0] for c in counts), default=0),
+        # ... and of every thread (watchdogs poked by the agreement too), per rank, beyond
+        # the healthy path's in the same time.
+        "all_requests_per_rank": round(extra / world, 2),
+        "all_read_bytes_per_rank": round(extra_read / world),
+    }
+
+
 def measure(world: int, healthy_s: float) -> dict[str, Any]:
-    """One W: the healthy path, then a dead rank."""
+    """One W: the healthy path, a stuck rank, a dead rank, a rack, then a shrink."""
     ctx = mp.get_context("spawn")
     port_q, stop = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=serve, args=(port_q, stop), daemon=True)
@@ -478,6 +658,11 @@ def measure(world: int, healthy_s: float) -> dict[str, Any]:
         after = _reports(cmd_qs, out_q)
         dead = _dead(cmd_qs, out_q, world, after, healthy["read_bytes_per_s"])
         rack = _rack(cmd_qs, out_q, world, dead["victim"])
+        excluded = [dead["victim"]]
+        if rack:
+            h = rack["hosts"][0]
+            excluded += list(range(h * PER_HOST, (h + 2) * PER_HOST))
+        shrink = _shrink_trial(cmd_qs, out_q, world, excluded, healthy)
         return {
             "world": world,
             "start_s": round(started_s, 1),
@@ -485,6 +670,7 @@ def measure(world: int, healthy_s: float) -> dict[str, Any]:
             "stuck": stuck,
             "dead": dead,
             **({"rack": rack} if rack else {}),
+            "shrink": shrink,
         }
     finally:
         for q in cmd_qs:
