@@ -1390,7 +1390,7 @@ def _shrink_reading(rows: list[dict[str, Any]]) -> str:
     return (
         f" A shrink is decided by one rank: at W={big['world']} the last survivor "
         f"learned of the failure and proposed {d['entered_max_s']:.2f} s after the report "
-        "(its watchdog's next heartbeat), and every survivor had the decision "
+        "(when its watchdog next read the events), and every survivor had the decision "
         f"{d['after_last_entry_s']:.2f} s later; the first survivor to claim the round read "
         f"the proposal log ({d['log_bytes'] / 1e3:,.0f} kB) once, where every survivor "
         f"reading it would have read at least {everyone} in all, and the others waited for "
@@ -1507,17 +1507,25 @@ def _shrink_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not shrinks:
         return out
     one_reader = all(r["shrink"]["log_readers"] == 1 for r in shrinks)
-    b_small = min(shrinks, key=lambda r: r["world"])["shrink"]["read_bytes_per_rank"]
-    b_big = max(shrinks, key=lambda r: r["world"])["shrink"]["read_bytes_per_rank"]
+    small = min(shrinks, key=lambda r: r["world"])
+    big = max(shrinks, key=lambda r: r["world"])
+    b_small, b_big = small["shrink"]["read_bytes_per_rank"], big["shrink"]["read_bytes_per_rank"]
     worlds = ", ".join(str(r["world"]) for r in shrinks)
-    out.append(
+    total_mb = b_big * big["world"] / 1e6
+    out += [
         {
-            "target": "A shrink costs O(W) store traffic in total: one rank reads the proposal log",
-            "met": one_reader and b_big <= 4 * max(b_small, 1),
-            "measured": f"{'one reader' if one_reader else 'several readers'} (W = {worlds});"
-            f" {b_small:,} bytes read per rank at the smallest W, {b_big:,} at the largest",
-        }
-    )
+            "target": "A shrink's proposal log is read by one rank, not by every survivor",
+            "met": one_reader,
+            "measured": f"{'one reader' if one_reader else 'several readers'} at W = {worlds}",
+        },
+        {
+            "target": "A shrink costs O(W) store traffic in total (constant per rank)",
+            "met": b_big <= 2 * max(b_small, 1),
+            "measured": f"{b_small:,} bytes read per rank at W={small['world']}, {b_big:,} at "
+            f"W={big['world']} ({total_mb:.1f} MB in all): every rank reads the decision, "
+            "which lists the members and their old ranks (a few bytes a rank)",
+        },
+    ]
     return out
 
 
