@@ -607,8 +607,8 @@ def _agree(
             break
         # While proposals come in, the decision waits for them; once they stop, it may
         # wait for a failure report: the watchdog ticks now rather than at its interval.
-        # (At W = 1024 the survivors learn of a failure over a heartbeat interval, and
-        # the early ones' watchdogs ticking at every poll slowed the others' down.)
+        # (A poke costs two requests: at W = 1024 the survivors come in over a heartbeat
+        # interval or more, and a poke at every poll of the early ones is that much load.)
         if not moved and rt.watchdog is not None:
             rt.watchdog.poke()
         poll.sleep(deadline)
