@@ -633,6 +633,50 @@ class ControlPlane:
             ) from e
 
 
+def store_address(store: dist.Store) -> tuple[str, int] | None:
+    """The host and port of the TCPStore under ``store``'s prefixes (job namespaces,
+    generations), or None for a store that is no TCPStore (a FileStore, a HashStore)."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 32:  # noqa: PLR2004 - a loop guard
+        store = store.underlying_store
+        seen += 1
+    if not isinstance(store, dist.TCPStore) or not store.port:
+        return None
+    return str(store.host), int(store.port)
+
+
+# What a fresh TCP connection to the store's address says (see probe_store).
+PROBE_ANSWERS, PROBE_REFUSED, PROBE_SILENT = "accepts connections", "refused", "silent"
+# How long a probe may wait for the TCP handshake (seconds).
+PROBE_TIMEOUT_S = 1.0
+
+
+def probe_store(address: tuple[str, int], timeout: float = PROBE_TIMEOUT_S) -> tuple[str, str]:
+    """Open and close a plain TCP connection to the store's ``address``.
+
+    Tells a store that has fallen behind from one that is gone, which a store call cannot:
+    torch's TCPStore client does not bound its calls by its timeout (torch 2.13: an
+    ``add``, ``check`` or ``multi_get`` to a SIGSTOPped server blocked for 35 minutes,
+    until it was resumed), and any request just queues. The host's kernel completes the
+    handshake of a live listening socket even while the server process is stopped or busy.
+
+    Blocks at most ``timeout`` seconds; never raises.
+
+    Returns:
+        ``(PROBE_ANSWERS, "")``: the host is up and the port listens (the store is slow,
+        stopped or overloaded, not gone); ``(PROBE_REFUSED, why)``: nothing listens (the
+        process hosting the store exited); ``(PROBE_SILENT, why)``: no answer in time or
+        no route (the host is down or the network to it is cut).
+    """
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return PROBE_ANSWERS, ""
+    except ConnectionRefusedError as e:
+        return PROBE_REFUSED, f"{type(e).__name__}: {e}"
+    except OSError as e:  # a timeout, no route, the name does not resolve
+        return PROBE_SILENT, f"{type(e).__name__}: {e}"
+
+
 def present(check: Callable[[list[str]], bool], keys: Sequence[str]) -> list[bool]:
     """Which of ``keys`` exist, ``check`` answering for a whole list at once (a store's
     ``check``). The list is halved where it says no: ``1 + 2 k log2(n / k)`` round trips or
@@ -1137,12 +1181,8 @@ def same_process_alive(pid: int, start_time: int | None) -> bool:
 
 def store_port(store: dist.Store) -> int | None:
     """The TCP port of the TCPStore under ``store``'s prefixes, or None for another store."""
-    seen = 0
-    while isinstance(store, dist.PrefixStore) and seen < 32:  # noqa: PLR2004 - a loop guard
-        store = store.underlying_store
-        seen += 1
-    port = getattr(store, "port", None) if isinstance(store, dist.TCPStore) else None
-    return int(port) if port else None
+    address = store_address(store)
+    return address[1] if address is not None else None
 
 
 _INODE = 9  # column of the socket's inode in /proc/net/tcp

@@ -74,6 +74,42 @@ UNRESPONSIVE_EXIT_CODE = 75
 TELL_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 
 
+class _StoreProbe:
+    """Probes the control-plane store's address (:func:`_control.probe_store`) from a
+    short-lived thread of its own, at most once per ``every`` seconds, while the
+    watchdog's store calls do not complete; the main thread reads the latest result and
+    never blocks on it."""
+
+    def __init__(self, address: tuple[str, int], every: float) -> None:
+        self.address = address
+        self.every = every
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        # (time.monotonic() when the probe started, verdict, why)
+        self._result: tuple[float, str, str] | None = None
+
+    def latest(self, since: float) -> tuple[str, str] | None:
+        """The verdict of the newest probe started after ``since`` (None if none finished
+        yet); starts a probe if none runs and the last one is older than ``every``."""
+        with self._lock:
+            res = self._result
+            running = self._thread is not None and self._thread.is_alive()
+            if not running and (res is None or time.monotonic() - res[0] >= self.every):
+                self._thread = threading.Thread(
+                    target=self._run, name="resilient_ddp-store-probe", daemon=True
+                )
+                self._thread.start()
+        if res is None or res[0] < since:
+            return None
+        return res[1], res[2]
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        verdict, why = ctl.probe_store(self.address)
+        with self._lock:
+            self._result = (started, verdict, why)
+
+
 class PendingOp:
     """One collective in flight, completed by the backend or failed by the watchdog.
 
@@ -225,6 +261,13 @@ class Runtime:
         self.stall_s = (
             config.heartbeat_timeout.total_seconds() + 2 * config.heartbeat_interval.total_seconds()
         )
+        # A store that stalls but whose host accepts connections has fallen behind: it is
+        # given store_timeout before the control plane is declared lost (see failed_for).
+        self.store_timeout_s = max(config.store_timeout.total_seconds(), self.stall_s)
+        address = ctl.store_address(control_root)
+        every = config.heartbeat_interval.total_seconds()
+        self.store_probe = _StoreProbe(address, every) if address is not None else None
+        self.stall_warned = 0.0  # the watchdog_tick of the stall last warned about
         # The backend timeout the default group was created with (None: torch's default);
         # a rebuilt generation gets it back after its short rendezvous timeout.
         self.backend_timeout: timedelta | None = None
@@ -257,6 +300,21 @@ class Runtime:
         if root is None:
             root = self._connections[purpose] = self.control.clone().root
         return ctl.ControlPlane(root, self.generation)
+
+    def reconnect(self, purpose: str) -> ctl.ControlPlane:
+        """Like :meth:`connection`, over a new connection that replaces the kept one (after
+        a call timed out on it, its late answer may still arrive).
+
+        Raises:
+            ControlPlaneError: The store is unreachable.
+        """
+        self._connections.pop(purpose, None)
+        try:
+            return self.connection(purpose)
+        except (RuntimeError, OSError) as e:
+            raise ControlPlaneError(
+                f"The control-plane store did not take a new connection ({type(e).__name__}: {e})."
+            ) from e
 
     # -- healthy path ------------------------------------------------------------------------
     def begin_op(self, name: str) -> int:
@@ -333,23 +391,83 @@ class Runtime:
         """Whether op ``seq`` cannot complete because of a recorded failure."""
         if self.failures or self.control_plane_error is not None:
             return True
-        if self.watchdog_tick and time.monotonic() - self.watchdog_tick > self.stall_s:
-            self._control_plane_stalled()
+        if self.store_stalled() and self._store_lost():
             return True
         return any(ev.get("final_seq", -1) < seq for ev in self.left.values())
 
-    def _control_plane_stalled(self) -> None:
-        """The watchdog has not completed a tick for longer than a peer may stay silent: its
-        store calls do not return (the network to the store's host is cut, or that host
-        hangs). Nothing can be coordinated; the ranks on other hosts are cut off."""
+    def store_stalled(self) -> bool:
+        """Whether the watchdog has not completed a tick for longer than a peer may stay
+        silent: its store calls do not return (torch's TCPStore client does not bound
+        them), because the store fell behind, or its host or the network to it is gone."""
+        return bool(self.watchdog_tick) and time.monotonic() - self.watchdog_tick > self.stall_s
+
+    def _store_lost(self) -> bool:
+        """With the store stalled: whether to declare the control plane lost now (and do).
+
+        A fresh TCP connection to the store's address tells the cases apart without
+        blocking this thread (:class:`_StoreProbe`). Refused, or no answer: the store's
+        process is gone, or its host or the network to it: lost now. Accepted: the store
+        has fallen behind (overloaded, or its process stopped): training goes on, failure
+        detection waits, and the control plane is lost only after ``store_timeout``.
+        Without an address to probe (a FileStore), lost now.
+        """
         silent = time.monotonic() - self.watchdog_tick
+        where = f"rank {self.rank} (host {self.identity['host']})"
+        if self.store_probe is None:
+            why = "the network to its host is down, or that host hangs"
+        elif silent > self.store_timeout_s:
+            why = (
+                "its host accepts connections, but the store has not answered for longer "
+                f"than store_timeout ({self.store_timeout_s:.1f} s): it has fallen behind "
+                "for good, or its process is stopped or hangs"
+            )
+        else:
+            got = self.store_probe.latest(since=self.watchdog_tick)
+            if got is None:
+                return False  # the probe is under way (at most ctl.PROBE_TIMEOUT_S)
+            verdict, detail = got
+            if verdict == ctl.PROBE_ANSWERS:
+                self._warn_stall(silent)
+                return False
+            host, port = self.store_probe.address
+            if verdict == ctl.PROBE_REFUSED:
+                why = f"a new connection to {host}:{port} was refused ({detail}): the process "
+                why += "hosting the store has exited"
+            else:
+                why = f"a new connection to {host}:{port} got no answer ({detail}): its host "
+                why += "is down, or the network to it is cut"
         self.on_control_plane_lost(
             ControlPlaneError(
-                f"The control-plane store has not answered rank {self.rank} (host "
-                f"{self.identity['host']}) for {silent:.1f} s: the network to its host is "
-                "down, or that host hangs."
+                f"The control-plane store has not answered {where} for {silent:.1f} s: {why}."
             )
         )
+        return True
+
+    def _warn_stall(self, silent: float) -> None:
+        if self.stall_warned == self.watchdog_tick:
+            return
+        self.stall_warned = self.watchdog_tick
+        log.warning(
+            "rank %d: the control-plane store has not answered for %.1f s, but its host "
+            "accepts connections: it has fallen behind (overloaded, or its process is "
+            "stopped). Training goes on and failure detection waits; the control plane is "
+            "declared lost if it does not answer within store_timeout (%.1f s)",
+            self.rank,
+            silent,
+            self.store_timeout_s,
+        )
+
+    def tick_completed(self) -> None:
+        """The watchdog completed a tick (its store calls returned)."""
+        now = time.monotonic()
+        if self.stall_warned and self.stall_warned == self.watchdog_tick:
+            log.warning(
+                "rank %d: the control-plane store answers again, after %.1f s",
+                self.rank,
+                now - self.watchdog_tick,
+            )
+            self.stall_warned = 0.0
+        self.watchdog_tick = now
 
     def raise_if_failed(self, name: str, seq: int) -> None:
         if self.failed_for(seq):
@@ -740,8 +858,9 @@ class Runtime:
         """Tell the peers this rank leaves after its last op (clean shutdown)."""
         if self.status == "left":
             return
-        if self.control_plane_error is not None:
-            # The store does not answer: a call could block for the store's own timeout.
+        if self.control_plane_error is not None or self.store_stalled():
+            # The store does not answer: a call could block until it does (torch's TCPStore
+            # client does not bound its calls).
             self.status = "left"
             return
         secondary = bool(self.failures) or self.raised or self.status == "failed"

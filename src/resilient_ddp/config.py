@@ -96,6 +96,12 @@ class ResilienceConfig(_Model):
             failure reports (default 0.5 s). Failure detection latency is about this.
         heartbeat_timeout: A rank whose heartbeat has not changed for this long is declared
             dead (default 15 s). Covers frozen hosts and SIGSTOP.
+        store_timeout: How long the control-plane store may go without answering while its
+            host still accepts connections (it has fallen behind, or its process is stopped
+            or overloaded) before the control plane is declared lost (default 60 s). A
+            store whose process is gone, or whose host cannot be reached, is declared lost
+            after ``heartbeat_timeout`` plus two heartbeat intervals instead. Taken as at
+            least that.
         init_timeout: Budget for process-group initialisation and rendezvous (default 300 s).
         diagnosis_timeout: How long a rank that timed out waits for the late ranks to report
             where they are (default 1 s).
@@ -131,6 +137,7 @@ class ResilienceConfig(_Model):
     op_budget: timedelta | None = None
     heartbeat_interval: timedelta = timedelta(milliseconds=500)
     heartbeat_timeout: timedelta = timedelta(seconds=15)
+    store_timeout: timedelta = timedelta(seconds=60)
     init_timeout: timedelta = timedelta(seconds=300)
     diagnosis_timeout: timedelta = timedelta(seconds=1)
     validate_collectives: bool = Field(default=False, alias="validate")
@@ -148,6 +155,7 @@ class ResilienceConfig(_Model):
         "op_budget",
         "heartbeat_interval",
         "heartbeat_timeout",
+        "store_timeout",
         "init_timeout",
         "diagnosis_timeout",
         "straggler_interval",

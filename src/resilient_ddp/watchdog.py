@@ -171,6 +171,8 @@ class Watchdog(threading.Thread):
         self._lines_seen = 0  # events consumed from ev/log (may run ahead of ev/n)
         self._diag_answered = 0
         self._last_change: dict[int, tuple[int, float]] = {}
+        self._last_check = 0.0  # time.monotonic() of the last look at the heartbeats
+        self._reconnect = False  # the next tick replaces the connection (see _fell_behind)
         world, rank = runtime.world_size, runtime.rank
         # The ring, and whole hosts: each host is watched from two others (a rack of two
         # hosts that goes together is still noticed within heartbeat_timeout).
@@ -233,11 +235,20 @@ class Watchdog(threading.Thread):
             try:
                 self.tick()
             except ControlPlaneError as e:
-                if not self._stop_event.is_set():
+                if self._stop_event.is_set():
+                    return
+                if self.rt.control_plane_error is not None:  # the main thread gave up on it
+                    self._abort_backend()
+                    return
+                if not self._fell_behind(e):
                     log.error("rank %d: %s", self.rt.rank, e)
                     self.rt.on_control_plane_lost(e)
                     self._abort_backend()
-                return
+                    return
+                # No completed tick: the main thread times the stall (Runtime.failed_for).
+                self._wake.wait(self.interval)
+                self._wake.clear()
+                continue
             except Exception as e:  # noqa: BLE001 - logged, counted, and told when it stops
                 if self._tick_failed(e):
                     return
@@ -252,9 +263,27 @@ class Watchdog(threading.Thread):
             # A tick that returned, even with an error, is no stalled store (see
             # Runtime.failed_for): repeated errors are told by _give_up, and accurately.
             if not self._stop_event.is_set():
-                self.rt.watchdog_tick = time.monotonic()
+                self.rt.tick_completed()
             self._wake.wait(self.interval)
             self._wake.clear()
+
+    def _fell_behind(self, e: ControlPlaneError) -> bool:
+        """Whether a store call that timed out means the store fell behind rather than went
+        away: its host still accepts connections. Then the next tick runs over a new
+        connection (the old one may yet receive the late answer, which would be read as the
+        answer to the next request)."""
+        cause = e.__cause__
+        probe = self.rt.store_probe
+        if probe is None or not isinstance(cause, RuntimeError):
+            return False
+        if "timeout" not in str(cause).lower() and "timed out" not in str(cause).lower():
+            return False
+        verdict, _ = ctl.probe_store(probe.address)
+        if verdict != ctl.PROBE_ANSWERS:
+            return False
+        log.debug("rank %d: a store call timed out, its host accepts connections", self.rt.rank)
+        self._reconnect = True
+        return True
 
     def _tick_failed(self, e: Exception) -> bool:
         """Log a failed tick; whether the watchdog must stop (too many in a row)."""
@@ -338,6 +367,11 @@ class Watchdog(threading.Thread):
     # -- one tick ----------------------------------------------------------------------------
     def tick(self) -> None:
         rt = self.rt
+        if self._reconnect:
+            self.control = rt.reconnect("watchdog")
+            self.control.set_timeout(rt.config.heartbeat_timeout)
+            self._jobs = None
+            self._reconnect = False
         self._beat += 1
         # First, before any store round trip: an overrun section is reported with the
         # stack of the main thread while it is still inside the section. (Checked after
@@ -444,6 +478,13 @@ class Watchdog(threading.Thread):
 
     def _check_heartbeats(self, states: dict[int, dict[str, Any]]) -> None:
         now = time.monotonic()
+        # A store that fell behind kept this watchdog from looking (its calls did not
+        # return) and the peers from publishing alike: silence is counted only while this
+        # watchdog could look, or every peer would be declared dead once the store answers.
+        blind = now - self._last_check - self.interval if self._last_check else 0.0
+        self._last_check = now
+        if blind > self.hb_timeout / 2:
+            self._last_change = {r: (b, t + blind) for r, (b, t) in self._last_change.items()}
         silence: dict[int, float] = {}
         for r, s in states.items():
             beat = int(s.get("beat", 0))
