@@ -288,13 +288,13 @@ class Runtime:
         the main thread uses it must not queue behind the main thread's calls.
 
         One connection per purpose, made on first use and kept for the life of the
-        process, whatever the generation: a new connection to a TCPStore (libuv or
-        legacy server alike, torch 2.13) sometimes takes about 5 s to connect or to
-        answer its first calls. Measured with plain torch, 4 processes on 2 loaded cores:
-        10-15 of 100 fresh connections per process took 5.0 s, against none of 400 calls
-        on a kept one. A watchdog with a new connection per generation reported the
-        control plane lost in 3 of 4 runs of the 20-fault elastic matrix; with the
-        connection kept, 0 of 17.
+        process, whatever the generation: a new connection to a TCPStore sometimes takes
+        about 5 s, because the client looks the store's address up in reverse DNS and a
+        resolver that drops the query costs its 5 s retry (strace on torch 2.13). Measured
+        with plain torch, 4 processes on 2 loaded cores: 10-15 of 100 fresh connections
+        per process took 5.0 s, against none of 400 calls on a kept one. A watchdog with
+        a new connection per generation reported the control plane lost in 3 of 4 runs of
+        the 20-fault elastic matrix; with the connection kept, 0 of 17.
         """
         root = self._connections.get(purpose)
         if root is None:

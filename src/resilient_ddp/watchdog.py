@@ -156,8 +156,9 @@ class Watchdog(threading.Thread):
         self.control = runtime.connection("watchdog")
         self.interval = runtime.config.heartbeat_interval.total_seconds()
         self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
-        # A store that stops answering (its host died, or the network to it is cut) must
-        # be noticed as fast as a silent peer, not after the store's own (long) timeout.
+        # Bounds the calls that torch's TCPStore client does time out (a multi_get may);
+        # others block until the store answers, and Runtime.failed_for times those stalls
+        # (a store that fell behind is given store_timeout, one that is gone is not).
         self.control.set_timeout(runtime.config.heartbeat_timeout)
         self._stop_event = threading.Event()
         self._wake = threading.Event()
