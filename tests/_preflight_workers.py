@@ -29,7 +29,7 @@ def start(rank: int, scenario: str, port: int) -> Any:
         os.environ["WORLD_SIZE"] = "4"
     if scenario == "missing_rank" and rank == 2:
         return {"skipped": True}
-    if scenario == "torch_version" and rank == 1:
+    if scenario in ("torch_version", "hosted_torch_version") and rank == 1:
         versions = preflight_module._versions
         preflight_module._versions = lambda: {**versions(), "torch": "2.99.0"}  # type: ignore[assignment]
     if scenario == "same_gpu" and rank in (0, 1):
@@ -38,7 +38,7 @@ def start(rank: int, scenario: str, port: int) -> Any:
             "gpu": "GPU-1234",
             "gpu_free_gib": "70.0",
         }
-    if scenario in ("port_in_use", "late_master"):
+    if scenario in ("port_in_use", "late_master", "hosted_torch_version"):
         # Rank 0 hosts the store itself, as without torchrun's agent.
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         os.environ["MASTER_PORT"] = str(port)

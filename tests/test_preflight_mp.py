@@ -80,6 +80,20 @@ def test_torch_version_mismatch_is_one_error_on_every_rank() -> None:
         assert v["table"][1]["torch"] == "2.99.0"
 
 
+def test_a_store_host_that_finds_a_problem_serves_until_the_others_read_it() -> None:
+    # Rank 0 hosts the store and compares the facts: it exits only once ranks 1 and 2 read
+    # its verdict, so they raise the version problem, not a lost store.
+    probe = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = probe.port
+    del probe
+    values = _run("hosted_torch_version", port)
+    for r, value in values.items():
+        v = _preflight_error(value)
+        assert f"(rank {r} reports)" in v["message"], v
+        assert any("2.99.0 on rank(s) [1]" in p for p in v["problems"]), v
+        assert v["table"][1]["torch"] == "2.99.0"
+
+
 def test_two_ranks_on_one_gpu_are_named() -> None:
     values = _run("same_gpu")
     for value in values.values():
@@ -193,7 +207,7 @@ def _arrive(store: dist.Store, rank: int) -> None:
     store.add("rd/preflight/0/n", 1)
 
 
-def test_exchange_polls_a_counter_and_reads_the_facts_once_everyone_arrived() -> None:
+def test_the_checker_polls_a_counter_and_reads_the_facts_once_everyone_arrived() -> None:
     base = dist.HashStore()
     store = CountingStore(base)
     _arrive(base, 1)
@@ -201,7 +215,7 @@ def test_exchange_polls_a_counter_and_reads_the_facts_once_everyone_arrived() ->
         deadline = time.monotonic() + 20
         table = pool.submit(preflight._exchange, store, _env(0, 3), {"host": "h0"}, deadline)  # type: ignore[arg-type]
         time.sleep(0.3)
-        # A poll: the count (add) and the verdict (one key); no rank's key.
+        # Rank 0's poll: the count (add) and the verdict (one key); no rank's key.
         assert store.count("check", lambda keys: len(keys) > 1) == 0, store.calls
         polls = store.count("check")
         assert 2 <= polls <= 25, polls
@@ -210,7 +224,7 @@ def test_exchange_polls_a_counter_and_reads_the_facts_once_everyone_arrived() ->
         got = table.result(timeout=10)
     assert sorted(got) == [0, 1, 2]
     assert got[2] == {"host": "h2"}
-    assert store.count("check", lambda keys: len(keys) == 3) == 2  # all there; then who
+    assert store.count("check", lambda keys: len(keys) == 3) == 1  # all there
     assert store.count("multi_get") == 1
 
 
@@ -228,7 +242,7 @@ def test_exchange_names_the_missing_rank_at_the_deadline_in_few_requests() -> No
     assert time.monotonic() - t0 < 2.0
     wide = store.count("check", lambda keys: len(keys) > 1)
     assert wide <= 1 + 2 * 6, wide  # halving 64 keys down to the missing one
-    assert json.loads(base.get("rd/preflight/0/verdict"))["rank"] == 0
+    assert preflight._unpack(_env(1, world), base.get("rd/preflight/0/verdict"))["rank"] == 0
 
 
 def test_present_halves_the_list_where_a_key_is_missing() -> None:

@@ -12,9 +12,11 @@ variables set by hand) runs these steps before torch creates the process group, 
    connection) are retried through tenacity until the budget runs out; permanent ones (the
    port is already in use on the master, the address does not resolve) are not.
 3. **Exchange**: every rank publishes its facts (host, versions of Python, torch, CUDA and
-   NCCL, device, free memory) through the store and waits for everyone's. Ranks that never
-   arrive are named, with the hosts of those that did. Versions that differ, two ranks on
-   one GPU, a ``LOCAL_RANK`` without a GPU: every problem is listed in one
+   NCCL, device, free memory) through the store. Rank 0 waits for everyone's, reads them
+   once and publishes its verdict; the other ranks wait for that verdict (one key a poll),
+   so start-up reads O(W) bytes in all, not every rank every rank's facts. Ranks that
+   never arrive are named, with the hosts of those that did. Versions that differ, two
+   ranks on one GPU, a ``LOCAL_RANK`` without a GPU: every problem is listed in one
    :class:`PreflightError` with a per-rank table, raised on every rank that is up.
 
 The store is created without waiting for all workers (torch's default makes rank 0 block
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import platform
 import socket
 import time
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,6 +47,8 @@ from ._control import Backoff, serve_store
 from ._control import present as _present
 from .errors import PreflightError, format_rank_table
 
+log = logging.getLogger("resilient_ddp")
+
 __all__ = [
     "Environment",
     "check_environment",
@@ -54,6 +60,7 @@ __all__ = [
 
 _PREFIX = "rd/preflight"
 _COMPARED = ("python", "torch", "cuda", "nccl")
+_CHECKER = 0  # the rank that reads every rank's facts, once, and publishes the verdict
 _POLL_S = 0.05  # rank 0, lingering until the others read its verdict
 
 
@@ -147,7 +154,9 @@ def preflight(
 ) -> tuple[dist.Store, Environment, dict[int, dict[str, str]]]:
     """Check the environment, open the store and compare every rank's facts.
 
-    Blocks until every rank has published its facts, at most ``budget`` in all.
+    Blocks until every rank has published its facts and rank 0 has compared them, at
+    most ``budget`` in all (plus ``linger`` on a failing store host). Rank 0 reads every
+    rank's facts once; the others read its verdict.
 
     Args:
         backend: The backend that will be used (``None``: torch's default).
@@ -162,13 +171,16 @@ def preflight(
 
     Returns:
         The store (torch's rendezvous store, to pass to ``init_process_group``), this rank's
-        environment, and every rank's facts.
+        environment, and the facts this rank read: every rank's on rank 0 (which compared
+        them), this rank's own on the others.
 
     Raises:
         PreflightError: A problem was found; every rank that is up raises it, with one line
             per problem and a per-rank table. The first rank whose budget runs out publishes
-            its verdict, and every waiting rank raises it at once. A store that stops
-            answering (its host exited) is reported as such, never as a bare backend error.
+            its verdict, and every waiting rank raises it at once; so does a rank that
+            finds every rank there but no verdict from rank 0 by its deadline (it compares
+            the facts itself). A store that stops answering (its host exited) is reported
+            as such, never as a bare backend error.
     """
     deadline = time.monotonic() + budget.total_seconds()
     env, problems = check_environment(environ, rank=rank, world_size=world_size)
@@ -183,23 +195,12 @@ def preflight(
     hosting = env.rank == 0 and not env.agent_store
     try:
         table = _exchange(store, env, facts, deadline)
-        problems = compare(table, env.world_size)
-        if problems:
-            raise PreflightError(
-                f"Preflight found {len(problems)} problem(s) (rank {env.rank} reports):\n"
-                + "\n".join(f"  - {p}" for p in problems)
-                + "\n"
-                + format_table(table),
-                problems=problems,
-                table=table,
-            )
     except PreflightError as e:
         if hosting:
             # This process hosts the store: the ranks that arrived must read the verdict
             # before it exits, or they would see a lost store instead of the problem.
             _linger(store, env, e, linger)
         raise
-    _call(env, store.add, f"{_PREFIX}/{env.restart}/done", 1)
     return store, env, table
 
 
@@ -338,57 +339,227 @@ def _device(backend: str | None, env: Environment) -> dict[str, str]:
 def _exchange(
     store: dist.Store, env: Environment, facts: dict[str, str], deadline: float
 ) -> dict[int, dict[str, str]]:
-    """Publish this rank's facts and wait for everyone's, until ``deadline`` or until
-    another rank's verdict (it gave up first) is published."""
+    """Publish this rank's facts and conclude with the job's one verdict.
+
+    Rank :data:`_CHECKER` waits until every rank arrived, reads every rank's facts once,
+    compares them and publishes the verdict; every other rank waits for that verdict (one
+    key a poll). At ``deadline`` without a verdict, a rank looks for itself: it names the
+    ranks that never arrived, or (all arrived: the checker is gone or late) compares the
+    facts itself. The first verdict written wins (``compare_set``) and every rank follows
+    it, so all ranks that are up raise the same problems.
+
+    Blocks until a verdict is known, at most until ``deadline`` (a ``time.monotonic()``
+    time) plus the few store requests of the search.
+
+    Returns:
+        The facts this rank read: every rank's on the rank that compared them, this rank's
+        own elsewhere.
+
+    Raises:
+        PreflightError: The verdict names problems, or ranks did not arrive; or the store
+            stopped answering.
+    """
     prefix = f"{_PREFIX}/{env.restart}"
     _call(env, store.set, f"{prefix}/{env.rank}", json.dumps(facts))
-    # Then counted: a waiter polls the count, and reads the ranks' keys only when it moved
-    # to every rank (the last rank's key is there before its count).
-    counter = f"{prefix}/n"
-    _call(env, store.add, counter, 1)
+    # Then counted: the checker polls the count, and reads the ranks' keys only when it
+    # moved to every rank (the last rank's key is there before its count).
+    _call(env, store.add, f"{prefix}/n", 1)
+    table = {env.rank: facts}
+    verdict, mine = _await_verdict(store, env, deadline, table)
+    return _conclude(store, env, verdict, mine, table)
+
+
+def _await_verdict(
+    store: dist.Store, env: Environment, deadline: float, table: dict[int, dict[str, str]]
+) -> tuple[dict[str, Any], bool]:
+    """The verdict (see :func:`_exchange`) and whether this rank's proposal won; adds the
+    facts this rank read to ``table``. Blocks until ``deadline`` at most."""
+    prefix = f"{_PREFIX}/{env.restart}"
     keys = [f"{prefix}/{r}" for r in range(env.world_size)]
     verdict = f"{prefix}/verdict"
+    checker = env.rank == _CHECKER
     # ``check`` and ``add(counter, 0)`` never block (a timed ``wait`` would log a warning on
-    # every expiry): two requests a poll, whatever the number of ranks.
-    poll, seen = Backoff(env.world_size, 2), -1
+    # every expiry): one request a poll (two on the checker), whatever the number of ranks.
+    poll, seen = Backoff(env.world_size, 1), -1
     while time.monotonic() < deadline:
-        count = int(_call(env, store.add, counter, 0))
-        if count != seen:
-            poll.reset()
-            seen = count
-            if count >= env.world_size and _call(env, store.check, keys):
-                break
+        if checker:
+            count = int(_call(env, store.add, f"{prefix}/n", 0))
+            if count != seen:
+                poll.reset()
+                seen = count
+                if count >= env.world_size and _call(env, store.check, keys):
+                    table.update(_read_facts(store, env, keys, range(env.world_size)))
+                    return _propose(store, env, _judge(env, table))
         if _call(env, store.check, [verdict]):
-            told = json.loads(_call(env, store.get, verdict))
-            _call(env, store.add, f"{prefix}/done", 1)
-            raise PreflightError(
-                f"{told['message']}\n(rank {told['rank']} gave up first and published this; "
-                f"rank {env.rank} raises it too)",
-                problems=list(told["problems"]),
-            )
+            return _unpack(env, _call(env, store.get, verdict)), False
         poll.sleep(deadline)
+    return _give_up(store, env, table)
+
+
+def _give_up(
+    store: dist.Store, env: Environment, table: dict[int, dict[str, str]]
+) -> tuple[dict[str, Any], bool]:
+    """At this rank's deadline, with no verdict: find which ranks arrived (a halving search
+    of their keys) and propose a verdict: the ranks that never arrived, or, when all did
+    (the checker is gone or late), this rank's own comparison of their facts."""
+    keys = [f"{_PREFIX}/{env.restart}/{r}" for r in range(env.world_size)]
     present = _present(functools.partial(_call, env, store.check), keys)
     arrived = [r for r, there in enumerate(present) if there]
-    values = _call(env, store.multi_get, [keys[r] for r in arrived]) if arrived else []
-    table = {r: json.loads(v) for r, v in zip(arrived, values, strict=True)}
+    table.update(_read_facts(store, env, keys, arrived))
     missing = [r for r in range(env.world_size) if r not in table]
-    if missing:
-        hosts = ", ".join(f"{r} ({table[r]['host']})" for r in sorted(table))
-        problems = [
-            f"rank(s) {_ranges(missing)} never arrived; WORLD_SIZE={env.world_size}, "
-            f"arrived: {hosts}"
-        ]
-        message = (
-            f"Rank(s) {_ranges(missing)} did not arrive at the rendezvous within the init "
-            f"budget (rank {env.rank} waited). Arrived: {hosts}. HINT: is WORLD_SIZE right "
-            "(nnodes x nproc-per-node), and did every node start? A rank that crashed at "
-            "import time never arrives either: see its log.\n" + format_table(table)
+    if not missing:
+        log.warning(
+            "resilient_ddp: rank %d: every rank arrived but rank %d published no preflight "
+            "verdict within the init budget; rank %d compares the facts itself",
+            env.rank,
+            _CHECKER,
+            env.rank,
         )
-        payload = {"rank": env.rank, "message": message, "problems": problems}
-        _call(env, store.set, verdict, json.dumps(payload))
-        _call(env, store.add, f"{prefix}/done", 1)
-        raise PreflightError(message, problems=problems, table=table)
+        return _propose(store, env, _judge(env, table))
+    hosts = ", ".join(f"{r} ({table[r]['host']})" for r in sorted(table))
+    problems = [
+        f"rank(s) {_ranges(missing)} never arrived; WORLD_SIZE={env.world_size}, arrived: {hosts}"
+    ]
+    message = (
+        f"Rank(s) {_ranges(missing)} did not arrive at the rendezvous within the init "
+        f"budget (rank {env.rank} waited). Arrived: {hosts}. HINT: is WORLD_SIZE right "
+        "(nnodes x nproc-per-node), and did every node start? A rank that crashed at "
+        "import time never arrives either: see its log.\n" + format_table(table)
+    )
+    return _propose(store, env, {"rank": env.rank, "message": message, "problems": problems})
+
+
+def _read_facts(
+    store: dist.Store, env: Environment, keys: list[str], ranks: Iterable[int]
+) -> dict[int, dict[str, str]]:
+    """The facts of ``ranks`` (whose keys exist), in one request."""
+    ranks = list(ranks)
+    values = _call(env, store.multi_get, [keys[r] for r in ranks]) if ranks else []
+    return {r: json.loads(v) for r, v in zip(ranks, values, strict=True)}
+
+
+def _judge(env: Environment, table: dict[int, dict[str, str]]) -> dict[str, Any]:
+    """This rank's verdict on every rank's facts: the problems, with the table when there
+    are any (every rank's error shows it)."""
+    problems = compare(table, env.world_size)
+    verdict: dict[str, Any] = {"rank": env.rank, "problems": problems}
+    if problems:
+        verdict["table"] = table
+    return verdict
+
+
+def _propose(
+    store: dist.Store, env: Environment, verdict: dict[str, Any]
+) -> tuple[dict[str, Any], bool]:
+    """Publish ``verdict`` unless one is there already: the first one written wins. One
+    request. Returns the winner and whether it is ``verdict``."""
+    packed = _pack(verdict)
+    winner = _call(env, store.compare_set, f"{_PREFIX}/{env.restart}/verdict", "", packed)
+    if bytes(winner) == packed:
+        return verdict, True
+    return _unpack(env, winner), False
+
+
+def _conclude(
+    store: dist.Store,
+    env: Environment,
+    verdict: dict[str, Any],
+    mine: bool,
+    table: dict[int, dict[str, str]],
+) -> dict[int, dict[str, str]]:
+    """Count this rank as having read ``verdict``, clean up, and return ``table`` (the
+    verdict is OK) or raise the verdict's :class:`PreflightError`."""
+    ok = "message" not in verdict and not verdict.get("problems")
+    _release(store, env, ok=ok)
+    problems = [str(p) for p in verdict.get("problems", ())]
+    if "message" in verdict:  # a rank gave up at its deadline
+        if mine:
+            raise PreflightError(str(verdict["message"]), problems=problems, table=table)
+        raise PreflightError(
+            f"{verdict['message']}\n(rank {verdict['rank']} gave up first and published "
+            f"this; rank {env.rank} raises it too)",
+            problems=problems,
+        )
+    if problems:
+        checked = {int(r): dict(v) for r, v in verdict.get("table", {}).items()}
+        raise PreflightError(
+            f"Preflight found {len(problems)} problem(s) (rank {env.rank} reports):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\n"
+            + format_table(checked),
+            problems=problems,
+            table=checked,
+        )
     return table
+
+
+def _release(store: dist.Store, env: Environment, *, ok: bool) -> None:
+    """Count this rank in ``done``: it read the verdict. The last of all the ranks deletes
+    their facts (nobody reads them again; before, a rank at its deadline may be reading
+    them) and, after an OK verdict, the attempt's other keys: W + 3 requests, once. After
+    a failed verdict those stay for the store's host to count its readers
+    (:func:`_linger`), and the next attempt's checker deletes them
+    (:func:`_forget_attempt`). Best effort: a store that fails here fails the next step."""
+    prefix = f"{_PREFIX}/{env.restart}"
+    try:
+        done = int(store.add(f"{prefix}/done", 1))
+        if done >= env.world_size:
+            for r in range(env.world_size):
+                store.delete_key(f"{prefix}/{r}")
+            if ok:
+                for name in ("verdict", "n", "done"):
+                    store.delete_key(f"{prefix}/{name}")
+        if env.rank == _CHECKER and env.restart > 0:
+            _forget_attempt(store, env, env.restart - 1)
+    except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError included
+        log.info("resilient_ddp: rank %d: could not clean up preflight keys: %s", env.rank, e)
+
+
+def _forget_attempt(store: dist.Store, env: Environment, restart: int) -> None:
+    """Delete the keys that attempt ``restart`` left (its preflight failed, or a rank never
+    read its verdict): nothing reads them any more, since torchrun stops every process of
+    an attempt before it starts the next. One request when it left none; the ranks' facts
+    keys one by one only when some rank never read the verdict (then they are still
+    there)."""
+    prefix = f"{_PREFIX}/{restart}"
+    if not store.check([f"{prefix}/n"]):
+        return
+    if int(store.add(f"{prefix}/done", 0)) < env.world_size:
+        for r in range(env.world_size):
+            store.delete_key(f"{prefix}/{r}")
+    for name in ("verdict", "n", "done"):
+        store.delete_key(f"{prefix}/{name}")
+
+
+def _pack(verdict: dict[str, Any]) -> bytes:
+    """A verdict as stored: compressed JSON (a failed one holds every rank's facts, and
+    every rank reads it: about 7 times smaller than the JSON)."""
+    return zlib.compress(json.dumps(verdict, separators=(",", ":")).encode())
+
+
+def _unpack(env: Environment, raw: bytes) -> dict[str, Any]:
+    """The verdict stored as ``raw``.
+
+    Raises:
+        PreflightError: It is not one (another process wrote the key).
+    """
+    try:
+        verdict = json.loads(zlib.decompress(bytes(raw)))
+    except (zlib.error, ValueError) as e:
+        verdict = e
+    if (
+        not isinstance(verdict, dict)
+        or not isinstance(verdict.get("rank"), int)
+        or not isinstance(verdict.get("problems"), list)
+    ):
+        problem = f"unreadable preflight verdict in the store at {env.master_addr}"
+        raise PreflightError(
+            f"Rank {env.rank} read a preflight verdict it cannot parse from the rendezvous "
+            f"store at {env.master_addr}:{env.master_port} ({verdict!r:.200}): another "
+            "process writes under rd/preflight/ in this store.",
+            problems=[problem],
+        )
+    return verdict
 
 
 def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: timedelta) -> None:
@@ -396,15 +567,16 @@ def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: 
     read the verdict (counted in ``done``), at most ``budget``."""
     prefix = f"{_PREFIX}/{env.restart}"
     try:
-        if not store.check([f"{prefix}/verdict"]):
-            payload = {"rank": env.rank, "message": str(error), "problems": error.problems}
-            store.set(f"{prefix}/verdict", json.dumps(payload))
-        keys = [f"{prefix}/{r}" for r in range(env.world_size)]
-        arrived = sum(_present(store.check, keys))
+        if not store.check([f"{prefix}/verdict"]):  # this rank never concluded
+            payload = {"rank": env.rank, "message": str(error), "problems": list(error.problems)}
+            _propose(store, env, payload)
+            store.add(f"{prefix}/done", 1)
         end = time.monotonic() + budget.total_seconds()
-        while int(store.add(f"{prefix}/done", 0)) < arrived and time.monotonic() < end:
+        while time.monotonic() < end:
+            if int(store.add(f"{prefix}/done", 0)) >= int(store.add(f"{prefix}/n", 0)):
+                return
             time.sleep(_POLL_S)
-    except (RuntimeError, OSError):  # our own server: nothing more to do for the others
+    except (RuntimeError, OSError, PreflightError):  # our own server: nothing more to do
         return
 
 
