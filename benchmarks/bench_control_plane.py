@@ -366,7 +366,7 @@ def _shrink(
     def one(rt: Any, failed: threading.Event) -> None:
         failed.wait(60)  # this rank learns of the failure: its collective fails
         t_in = time.time()
-        el = SimpleNamespace(uid=rt.rank, committed=SHRINK_STEP)
+        el = SimpleNamespace(uid=rt.rank, committed=SHRINK_STEP, members=list(range(world)))
         try:
             dec = elastic._agree(
                 _Agreeing(rt, rt.connection("main").root),

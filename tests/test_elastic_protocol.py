@@ -31,13 +31,14 @@ from resilient_ddp._elastic_protocol import (
     acks_complete,
     decide_admission,
     decide_shrink,
+    members_digest,
     needs_ack,
     parse_proposals,
     pending_joiners,
     should_decide,
 )
 from resilient_ddp.elastic_sampler import ElasticBatchSampler
-from resilient_ddp.errors import RankFailureError
+from resilient_ddp.errors import ControlPlaneError, RankFailureError
 
 from ._counting_store import CountingStore
 
@@ -164,6 +165,14 @@ def test_decide_shrink_goes_on(
     assert dec.fail is None
     assert dec.gen == NEXT_GEN
     assert calls == [1]  # one generation number drawn, only on success
+    # What survivors read names the lost ranks; each derives the same decision from its
+    # own copy of the member list, whether the ids are the ranks or not.
+    ranks_as_ids = list(range(world))
+    assert ShrinkDecision.from_record(dec.to_record(ranks_as_ids), ranks_as_ids) == dec
+    ids = [proposals[r].uid if r in proposals else 100 + r for r in range(world)]
+    record = dec.to_record(ids)
+    assert record["moved"] == []
+    assert ShrinkDecision.from_record(json.loads(json.dumps(record)), ids) == dec
 
 
 # (proposals, world_size, dead, min_world_size) -> (old_ranks, lost, message)
@@ -272,6 +281,9 @@ def test_decide_shrink_fails(
     assert (dec.old_ranks, dec.lost, dec.fail) == want
     assert (dec.gen, dec.members, dec.source, dec.outcome) == (None, (), None, None)
     assert dec.to_json() == {"old_ranks": list(want[0]), "lost": list(want[1]), "fail": want[2]}
+    record = dec.to_record(list(range(world)))
+    assert record == {"world": world, "lost": list(want[1]), "fail": want[2]}
+    assert ShrinkDecision.from_record(record, list(range(world))) == dec
 
 
 # -- decide_shrink: claims that are not believed ---------------------------------------------
@@ -577,6 +589,170 @@ def test_shrink_decision_json_round_trip(dec: ShrinkDecision, stored: dict[str, 
 def test_shrink_decision_from_json_rejects_malformed(broken: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"."):
         ShrinkDecision.from_json(broken)
+
+
+# -- the compact record survivors read ----------------------------------------------------------
+MEMBERS = (0, 1000002, 2, 3)  # generation N's member ids by rank, as every rank holds them
+STORED_RECORD = {
+    "world": 4,
+    "lost": [2],
+    "fail": None,
+    "gen": 12,
+    "source": 1,
+    "outcome": "skip",
+    "sync": True,
+    "committed": 8,
+    "digest": members_digest((0, 1000002, 3)),
+    "moved": [],
+}
+GO_ON_DEC = ShrinkDecision(
+    old_ranks=(0, 1, 3),
+    lost=(2,),
+    gen=12,
+    members=(0, 1000002, 3),
+    source=1,
+    outcome="skip",
+    sync=True,
+    committed=8,
+)
+
+
+def test_shrink_record_names_the_lost_ranks_not_the_members() -> None:
+    assert GO_ON_DEC.to_record(MEMBERS) == STORED_RECORD
+    wire = json.loads(json.dumps(STORED_RECORD))
+    assert ShrinkDecision.from_record(wire, MEMBERS) == GO_ON_DEC
+    # A proposal under another id than the one the decider knows at that rank: the id
+    # travels (``moved``), and every reader derives the decider's members.
+    odd = ShrinkDecision(**{**GO_ON_DEC.__dict__, "members": (0, 77, 3)})
+    record = odd.to_record(MEMBERS)
+    assert record["moved"] == [[1, 77]]
+    assert ShrinkDecision.from_record(record, MEMBERS) == odd
+
+
+def test_shrink_record_size_does_not_grow_with_the_world() -> None:
+    """The record a survivor reads holds the lost ranks, not the members: the same size at
+    W = 8 and W = 4096 (but for the digits of the world and the lost rank)."""
+    sizes = {}
+    for world in (8, 4096):
+        ids = list(range(world))
+        dec = decide_shrink(
+            {r: P(r) for r in range(world) if r != 5},
+            candidates=range(world),
+            dead={5},
+            generation=0,
+            world_size=world,
+            min_world_size=1,
+            next_generation=1,
+        )
+        assert len(dec.members) == world - 1
+        sizes[world] = len(json.dumps(dec.to_record(ids)))
+        assert ShrinkDecision.from_record(dec.to_record(ids), ids) == dec
+    assert sizes[4096] <= sizes[8] + 3, sizes
+    assert sizes[4096] < 250, sizes
+
+
+def test_shrink_record_needs_ranks_that_split_the_world() -> None:
+    with pytest.raises(ValueError, match="do not split"):
+        GO_ON_DEC.to_record(MEMBERS[:3])
+
+
+@pytest.mark.parametrize(
+    ("broken", "match"),
+    [
+        pytest.param([STORED_RECORD], "mapping", id="not-a-mapping"),
+        pytest.param({**STORED_RECORD, "world": 5}, "world of 5", id="another-world"),
+        pytest.param({**STORED_RECORD, "world": True}, "'world'", id="world-bool"),
+        pytest.param({**STORED_RECORD, "lost": [2, 2]}, "increasing", id="lost-repeated"),
+        pytest.param({**STORED_RECORD, "lost": [3, 2]}, "increasing", id="lost-unordered"),
+        pytest.param({**STORED_RECORD, "lost": [4]}, "increasing", id="lost-outside-world"),
+        pytest.param({**STORED_RECORD, "lost": [-1]}, "increasing", id="lost-negative"),
+        pytest.param({**STORED_RECORD, "lost": "2"}, "'lost'", id="lost-str"),
+        pytest.param({**STORED_RECORD, "fail": 3}, "'fail'", id="fail-int"),
+        pytest.param({**STORED_RECORD, "outcome": "retry"}, "'outcome'", id="unknown-outcome"),
+        pytest.param({**STORED_RECORD, "sync": "yes"}, "'sync'", id="sync-str"),
+        pytest.param({**STORED_RECORD, "source": 3}, "out of range", id="source-outside"),
+        pytest.param({**STORED_RECORD, "committed": -1}, "out of range", id="negative-step"),
+        pytest.param({**STORED_RECORD, "gen": "12"}, "'gen'", id="gen-str"),
+        pytest.param({**STORED_RECORD, "moved": {}}, "'moved'", id="moved-not-a-list"),
+        pytest.param({**STORED_RECORD, "moved": [[1, 7, 7]]}, "'moved'", id="moved-triple"),
+        pytest.param({**STORED_RECORD, "moved": [[1, True]]}, "'moved'", id="moved-uid-bool"),
+        pytest.param({**STORED_RECORD, "moved": [[2, 7]]}, "'moved'", id="moved-lost-rank"),
+        pytest.param(
+            {**STORED_RECORD, "moved": [[1, 7], [1, 8]]}, "'moved'", id="moved-rank-twice"
+        ),
+        pytest.param({**STORED_RECORD, "moved": [[1, 7]]}, "digest", id="moved-not-digested"),
+        pytest.param({**STORED_RECORD, "digest": "0" * 16}, "digest", id="wrong-digest"),
+        pytest.param({**STORED_RECORD, "digest": 5}, "'digest'", id="digest-int"),
+        pytest.param(
+            {k: v for k, v in STORED_RECORD.items() if k != "digest"}, "'digest'", id="no-digest"
+        ),
+        pytest.param(
+            {k: v for k, v in STORED_RECORD.items() if k != "moved"}, "'moved'", id="no-moved"
+        ),
+        pytest.param({"world": 4, "lost": [2]}, "'fail'", id="no-fail-key"),
+        # The members record of before this change: the decision must be re-derived.
+        pytest.param(GO_ON_DEC.to_json(), "'world'", id="full-decision"),
+    ],
+)
+def test_shrink_record_rejects_malformed(broken: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ShrinkDecision.from_record(broken, MEMBERS)
+
+
+def test_shrink_record_is_refused_by_a_rank_whose_member_list_differs() -> None:
+    """A reader whose copy of the member list is not the decider's does not form another
+    group from it: the digest of what it derives does not match."""
+    with pytest.raises(ValueError, match="copy differs"):
+        ShrinkDecision.from_record(STORED_RECORD, (0, 1000002, 2, 1000003))
+
+
+def test_admission_record_leaves_the_members_out() -> None:
+    adm = Admission(at=12, joiners=(1000001,), gen=9, from_gen=4, members=(0, 1, 1000001))
+    record = adm.to_record()
+    assert record == {
+        "at": 12,
+        "joiners": [1000001],
+        "gen": 9,
+        "from": 4,
+        "world": 2,
+        "digest": members_digest((0, 1, 1000001)),
+    }
+    assert Admission.from_record(json.loads(json.dumps(record)), [0, 1]) == adm
+    sizes = {}
+    for world in (8, 4096):
+        big = Admission(
+            at=3, joiners=(1000001,), gen=9, from_gen=4, members=(*range(world), 1000001)
+        )
+        sizes[world] = len(json.dumps(big.to_record()))
+        assert Admission.from_record(big.to_record(), list(range(world))) == big
+    assert sizes[4096] <= sizes[8] + 3, sizes
+
+
+@pytest.mark.parametrize(
+    ("broken", "match"),
+    [
+        pytest.param("x", "mapping", id="not-a-mapping"),
+        pytest.param({"world": 3}, "world of 3", id="another-world"),
+        pytest.param({"joiners": []}, "none", id="no-joiner"),
+        pytest.param({"joiners": [1]}, "are members", id="joiner-is-a-member"),
+        pytest.param({"joiners": [1000001, 1000001]}, "repeat", id="joiner-twice"),
+        pytest.param({"joiners": [1000002]}, "digest", id="another-joiner"),
+        pytest.param({"digest": None}, "'digest'", id="digest-none"),
+        pytest.param({"at": "12"}, "'at'", id="at-str"),
+        pytest.param({"from": None}, "'from'", id="from-none"),
+        pytest.param({"gen": None}, "'gen'", id="gen-none"),
+        pytest.param({"world": None}, "'world'", id="world-none"),
+    ],
+)
+def test_admission_record_rejects_malformed(broken: object, match: str) -> None:
+    record = Admission(
+        at=12, joiners=(1000001,), gen=9, from_gen=4, members=(0, 1, 1000001)
+    ).to_record()
+    obj = {**record, **broken} if isinstance(broken, dict) else broken
+    with pytest.raises(ValueError, match=match):
+        Admission.from_record(obj, [0, 1])
+    with pytest.raises(ValueError, match="copy differs"):
+        Admission.from_record(record, [0, 2])
 
 
 def test_proposal_json_round_trip() -> None:
@@ -1016,7 +1192,7 @@ def test_agree_reads_the_proposal_log_only_when_a_decision_may_be_due() -> None:
     rt = _rt(store, 3)
     others = ctl.JobStore(base)
     others.post_proposal("rec/g0/r0", P(1).to_json())
-    el = SimpleNamespace(uid=0, committed=5)
+    el = SimpleNamespace(uid=0, committed=5, members=list(range(3)))
 
     def log_reads() -> int:
         return store.count("get", lambda key: key == "rec/g0/r0/log")
@@ -1042,7 +1218,7 @@ def test_agree_goes_on_without_a_dead_rank_once_the_others_proposed() -> None:
     others = ctl.JobStore(base)
     for r in (1, 2):
         others.post_proposal("rec/g0/r0", P(r).to_json())
-    el = SimpleNamespace(uid=0, committed=5)
+    el = SimpleNamespace(uid=0, committed=5, members=list(range(5)))
     with ThreadPoolExecutor(1) as pool:
         agreed = pool.submit(
             elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2, 3, 4], "reduce", True, (0, 5)
@@ -1078,7 +1254,7 @@ def test_agree_decides_from_the_log_when_a_count_lags_it() -> None:
     rt = _rt(base, 3)
     others = ctl.JobStore(base)
     others.post_proposal("rec/g0/r0", P(1).to_json())
-    el = SimpleNamespace(uid=0, committed=5)
+    el = SimpleNamespace(uid=0, committed=5, members=list(range(3)))
     with ThreadPoolExecutor(1) as pool:
         agreed = pool.submit(elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2], "reduce", True, (0, 3))  # type: ignore[arg-type]
         time.sleep(0.2)
@@ -1089,6 +1265,40 @@ def test_agree_decides_from_the_log_when_a_count_lags_it() -> None:
             rt.failures.append({"kind": "crash", "rank": 2})
         dec = agreed.result(timeout=10)
     assert dec["members"] == [0, 1, 2], dec
+
+
+def test_members_read_an_admission_that_does_not_grow_with_the_world() -> None:
+    """The decider stores the admission without the member list (every member has its
+    own); each member derives the same admission from it, the joiner gets the whole one
+    with its rank, and what a member reads is the same size at W = 8 and W = 1024."""
+    sizes = {}
+    for world in (8, 1024):
+        base = dist.HashStore()
+        root = ctl.root_prefix(base, "job", "secret")
+        jobs = ctl.JobStore(root)
+        jobs.init_joins()
+        jobs.request_join({"uid": 1000001, "host": "h", "pid": 1})
+        decider = elastic.Elastic(uid=0, members=list(range(world)))
+        assert elastic._decide(_rt(root, world), decider, jobs, "grow/g0", 4)
+        want = {
+            "at": 5,
+            "joiners": [1000001],
+            "gen": 1,
+            "from": 0,
+            "members": [*range(world), 1000001],
+        }
+        assert decider.grow == want
+        record = jobs.decision("grow/g0")
+        assert record is not None
+        assert "members" not in record
+        sizes[world] = len(base.get("rd/job/grow/g0"))
+        # Another member derives it from its own copy; one whose copy differs refuses it.
+        assert elastic._admission("grow/g0", record, list(range(world))) == want
+        with pytest.raises(ControlPlaneError, match="copy differs"):
+            elastic._admission("grow/g0", record, [*range(world - 1), 5000])
+        assert jobs.admission_for(1000001) == {**want, "rank": world}
+    assert sizes[1024] <= sizes[8] + 3, sizes  # the digits of the world size
+    assert sizes[1024] < 200, sizes
 
 
 def test_admission_result_reads_the_confirmations_once_all_counted() -> None:

@@ -3,12 +3,15 @@ round reads the log, decides and publishes; the others read the decision key alo
 read the log themselves only when that decider fails before publishing (or never does).
 
 Each test runs several ranks' real ``elastic._agree`` in threads of this process, each over
-its own :class:`CountingStore` on one shared ``HashStore``, and counts who read the log.
-No processes; every thread is joined before the test ends.
+its own :class:`CountingStore` on one shared ``HashStore``, and counts who read the log,
+and what the others read of the decision: a record that names the lost ranks, not the
+members, the same size at W = 8 and W = 256. No processes; every thread is joined before
+the test ends.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -17,17 +20,55 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
 from resilient_ddp import _control as ctl
 from resilient_ddp import elastic
-from resilient_ddp._elastic_protocol import Proposal
+from resilient_ddp._elastic_protocol import Proposal, ShrinkDecision
+from resilient_ddp.errors import ControlPlaneError
 
 from ._counting_store import CountingStore
 
 BASE = "rec/g0/r0"
 LOG = f"{BASE}/log"
 CLAIM = f"g0/dg/{BASE}/claim"
+DECISION = f"{BASE}/d"
+
+
+class ByteCountingStore(CountingStore):
+    """A :class:`CountingStore` that also adds up, per key, the bytes of the values its
+    ``get`` and ``compare_set`` requests return."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.read: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = super().__getattr__(name)
+        if name not in ("get", "compare_set"):
+            return fn
+
+        def call(*args: Any) -> Any:
+            out = fn(*args)
+            with self._lock:
+                self.read[args[0]] = self.read.get(args[0], 0) + len(out)
+            return out
+
+        return call
+
+    def read_bytes(self, where: Callable[[str], bool]) -> int:
+        with self._lock:
+            return sum(n for key, n in self.read.items() if where(key))
+
+
+@pytest.fixture(autouse=True)
+def _sealed_through_counting_stores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JobStore over a counting store keeps the job's MAC key: ``ctl.mac_key`` looks
+    through the wrapper (it finds a job's key by the store's type, which the wrapper hides),
+    so that the tests with a secret read and write sealed records, as the job does."""
+    mac_key = ctl.mac_key
+    monkeypatch.setattr(ctl, "mac_key", lambda store: mac_key(getattr(store, "inner", store)))
 
 
 def _rt(root: Any, world: int, rank: int, dead: tuple[int, ...], interval: float = 0.2) -> Any:
@@ -66,14 +107,14 @@ class _Ranks:
     ) -> None:
         self.world = world
         self.ranks = ranks
-        self.stores = {r: CountingStore(root) for r in ranks}
+        self.stores = {r: ByteCountingStore(root) for r in ranks}
         self.rts = {r: _rt(self.stores[r], world, r, dead, interval) for r in ranks}
         self.pool = ThreadPoolExecutor(len(ranks))
         self.futures: dict[int, Any] = {}
 
     def start(self) -> None:
         for r in self.ranks:
-            el = SimpleNamespace(uid=r, committed=5)
+            el = SimpleNamespace(uid=r, committed=5, members=list(range(self.world)))
             self.futures[r] = self.pool.submit(
                 elastic._agree,
                 self.rts[r],  # type: ignore[arg-type]
@@ -93,6 +134,12 @@ class _Ranks:
 
     def count(self, name: str, where: Callable[[Any], bool]) -> dict[int, int]:
         return {r: s.count(name, where) for r, s in self.stores.items()}
+
+    def decision_bytes(self) -> dict[int, int]:
+        """Bytes each rank read from the round's decision slots."""
+        return {
+            r: s.read_bytes(lambda key: key.startswith(DECISION)) for r, s in self.stores.items()
+        }
 
     def log_reads(self) -> dict[int, int]:
         return self.count("get", lambda key: key == LOG)
@@ -143,6 +190,109 @@ def test_one_rank_reads_the_log_when_its_decider_is_healthy() -> None:
         calls = {name for name, _ in ranks.stores[r].calls}
         assert calls <= {"append", "add", "check", "get", "compare_set"}, calls
         assert ranks.stores[r].count("multi_get") == 0
+
+
+def _shrink_of(world: int) -> tuple[dict[str, Any], dict[int, int], dict[int, int]]:
+    """``world`` ranks, the last one killed, the others running ``_agree``: the decision,
+    the bytes each survivor read from the decision key, and who read the log."""
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", "secret")  # records sealed with the job's MAC
+    ranks = _Ranks(root, world, list(range(world - 1)), dead=(world - 1,))
+    ranks.start()
+    dec = _same(ranks.decisions())
+    return dec, ranks.decision_bytes(), ranks.log_reads()
+
+
+def test_what_each_survivor_reads_of_the_decision_does_not_grow_with_the_world() -> None:
+    """W = 8 and W = 256 (255 survivors as threads): each survivor that did not decide
+    reads the decision once, the same few hundred bytes at both sizes (it names the lost
+    rank; the members it derives from its own copy of the member list). The full
+    decision, members and their old ranks, was 2.5 kB per survivor at W = 256."""
+    per_rank: dict[int, int] = {}
+    for world in (8, 256):
+        dec, read, log_reads = _shrink_of(world)
+        members = list(range(world - 1))
+        assert (dec["members"], dec["old_ranks"], dec["lost"]) == (members, members, [world - 1])
+        assert dec["outcome"] == "redo", dec
+        readers = [r for r, n in log_reads.items() if n]
+        assert len(readers) == 1, readers
+        waiters = {r: n for r, n in read.items() if r not in readers}
+        assert all(n > 0 for n in waiters.values()), waiters
+        per_rank[world] = max(waiters.values())
+        full = len(json.dumps(dec))
+        assert per_rank[world] < 300, (world, per_rank[world])
+        if world == 256:
+            assert full > 2000, full  # what every survivor read before
+    # The same record but for the digits of the world size and of the lost rank.
+    assert per_rank[256] <= per_rank[8] + 4, per_rank
+
+
+def _plant(base: Any, value: str) -> None:
+    base.set(f"rd/job/{DECISION}", value)
+
+
+def test_a_decision_without_the_jobs_mac_is_ignored() -> None:
+    """A compact decision planted without the job's MAC (a process without its secret),
+    removing rank 0: no rank follows it; they decide in the next slot and agree."""
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", "secret")
+    forged = ShrinkDecision(
+        old_ranks=(1, 2),
+        lost=(0, 3),
+        gen=9,
+        members=(1, 2),
+        source=0,
+        outcome="redo",
+        sync=False,
+        committed=5,
+    ).to_record([0, 1, 2, 3])
+    _plant(base, json.dumps(forged))
+    ranks = _Ranks(root, 4, [0, 1, 2], dead=(3,))
+    ranks.start()
+    dec = _same(ranks.decisions())
+    assert (dec["members"], dec["lost"]) == ([0, 1, 2], [3]), dec
+    assert base.check([f"rd/job/{DECISION}/1"])
+
+
+def test_a_decision_a_rank_cannot_follow_is_refused() -> None:
+    """A sealed record that is malformed, or whose members a rank derives differently
+    from the decider (another copy of the member list), raises ``ControlPlaneError`` on
+    that rank rather than form another group."""
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", "secret")
+    jobs = ctl.JobStore(root)
+    dec = ShrinkDecision(
+        old_ranks=(0, 1, 2),
+        lost=(3,),
+        gen=9,
+        members=(0, 1, 2),
+        source=0,
+        outcome="redo",
+        sync=False,
+        committed=5,
+    )
+    jobs.decide(DECISION, dec.to_record([0, 1, 2, 3]))
+    rt = _rt(root, 4, 1, dead=(3,))
+
+    def agree(members: list[int]) -> dict[str, Any]:
+        el = SimpleNamespace(uid=1, committed=5, members=members)
+        return elastic._agree(rt, el, BASE, [0, 1, 2, 3], "reduce", True, (0, 4))  # type: ignore[arg-type]
+
+    assert agree([0, 1, 2, 3]) == dec.to_json()
+    with pytest.raises(ControlPlaneError, match="copy differs"):
+        agree([0, 1, 7, 3])
+    other = "rec/g0/r1/d"
+    jobs.decide(other, {**dec.to_record([0, 1, 2, 3]), "lost": [9]})
+    with pytest.raises(ControlPlaneError, match="cannot be followed"):
+        elastic._agree(
+            rt,
+            SimpleNamespace(uid=1, committed=5, members=[0, 1, 2, 3]),  # type: ignore[arg-type]
+            "rec/g0/r1",
+            [0, 1, 2, 3],
+            "reduce",
+            True,
+            (0, 4),
+        )
 
 
 def test_the_others_read_the_log_when_the_decider_dies_before_publishing() -> None:

@@ -7,11 +7,20 @@ be tested with a table of cases.
 **Shrink.** Each survivor of generation ``N`` posts a :class:`Proposal`. Once
 :func:`should_decide` says so, the survivor that claimed the round (the others wait for it,
 and take its place only if it fails) computes :func:`decide_shrink`, and the first
-``compare_set`` of a :meth:`ShrinkDecision.to_json` wins.
+``compare_set`` of a :meth:`ShrinkDecision.to_record` wins.
 
 **Grow.** Members acknowledge the join requests they saw (:func:`needs_ack`,
 :func:`ack_key`); once :func:`acks_complete`, the first member to see it computes
-:func:`decide_admission` over :func:`pending_joiners`.
+:func:`decide_admission` over :func:`pending_joiners`, and the first ``compare_set`` of an
+:meth:`Admission.to_record` wins.
+
+**Records survivors read are O(failures), not O(W).** Every rank holds its generation's
+member list, so a stored decision carries only what a rank cannot derive from it: the lost
+ranks (a shrink) or the joiners (an admission), the outcome, and a digest of the new member
+list (:func:`members_digest`). Each reader derives the new member list from its own copy
+(:meth:`ShrinkDecision.from_record`, :meth:`Admission.from_record`) and checks it against
+the digest: a rank whose copy differs from the decider's refuses the decision rather than
+form another group.
 
 Claims are checked before they are believed (see :func:`decide_shrink`): a malformed
 proposal, one from a rank that is not a candidate, one whose member id another proposal
@@ -20,6 +29,7 @@ also claims, or one whose step count is implausible never shapes the decision.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast, runtime_checkable
@@ -34,6 +44,7 @@ __all__ = [
     "acks_complete",
     "decide_admission",
     "decide_shrink",
+    "members_digest",
     "needs_ack",
     "parse_proposals",
     "pending_joiners",
@@ -106,6 +117,27 @@ def _ints(obj: Mapping[str, Any], key: str) -> tuple[int, ...]:
 
 def _resolve(next_generation: Callable[[], int] | int) -> int:
     return next_generation() if callable(next_generation) else next_generation
+
+
+_DIGEST_CHARS = 16
+
+
+def _digest(obj: Mapping[str, Any]) -> str:
+    value = obj["digest"]
+    if not isinstance(value, str) or len(value) != _DIGEST_CHARS:
+        raise ValueError(f"'digest' must be a str of {_DIGEST_CHARS} characters, got {value!r}")
+    return value
+
+
+def members_digest(members: Sequence[int]) -> str:
+    """A fingerprint of a member list (ids by rank): 16 hex digits of a SHA-256.
+
+    A compact decision carries it in place of the list; a reader that derived the list from
+    its own copy checks it against this. It detects copies that differ, not forgeries: the
+    record's MAC does that.
+    """
+    text = ",".join(str(int(m)) for m in members)
+    return hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_CHARS]
 
 
 # -- shrink ------------------------------------------------------------------------------------
@@ -220,10 +252,11 @@ class ShrinkDecision:
     committed: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The dict stored under the round's decision key (lists, not tuples).
+        """The whole decision as :mod:`~resilient_ddp.elastic` acts on it (lists, not
+        tuples): the members and their old ranks in full. The store holds the compact
+        :meth:`to_record`, from which each survivor derives this.
 
-        A failed decision has only ``old_ranks``, ``lost`` and ``fail``, as
-        :mod:`~resilient_ddp.elastic` always wrote it.
+        A failed decision has only ``old_ranks``, ``lost`` and ``fail``.
         """
         out: dict[str, Any] = {
             "old_ranks": list(self.old_ranks),
@@ -271,6 +304,129 @@ class ShrinkDecision:
             )
         except KeyError as e:
             raise ValueError(f"a shrink decision needs {e.args[0]!r}") from None
+
+    def to_record(self, members: Sequence[int]) -> dict[str, Any]:
+        """The compact record stored under the round's decision key: what a survivor
+        cannot derive from its own copy of generation ``N``'s member list, a few dozen
+        bytes plus a few per lost rank, whatever the world size.
+
+        ``world`` (generation ``N``'s size), ``lost`` and ``fail``; unless failed, also
+        ``gen``, ``source``, ``outcome``, ``sync``, ``committed``, ``digest`` (of
+        ``members`` by new rank, :func:`members_digest`) and ``moved``: ``[rank, uid]``
+        for each member whose id is not ``members[rank]`` (none when every proposal came
+        from the member the decider knows at that rank, as in a job whose ranks agree).
+        :meth:`from_record` gives this decision back.
+
+        Args:
+            members: Generation ``N``'s member ids by rank, as the decider knows them
+                (their number is the world size).
+
+        Raises:
+            ValueError: ``old_ranks`` and ``lost`` do not split ``range(len(members))``.
+        """
+        world = len(members)
+        if sorted((*self.old_ranks, *self.lost)) != list(range(world)):
+            raise ValueError(
+                f"ranks {list(self.old_ranks)} and lost {list(self.lost)} do not split a "
+                f"world of {world}"
+            )
+        out: dict[str, Any] = {"world": world, "lost": list(self.lost), "fail": self.fail}
+        if self.fail is None:
+            out.update(
+                gen=self.gen,
+                source=self.source,
+                outcome=self.outcome,
+                sync=self.sync,
+                committed=self.committed,
+                digest=members_digest(self.members),
+                moved=[
+                    [r, uid]
+                    for r, uid in zip(self.old_ranks, self.members, strict=True)
+                    if members[r] != uid
+                ],
+            )
+        return out
+
+    @classmethod
+    def from_record(cls, obj: object, members: Sequence[int]) -> ShrinkDecision:
+        """The decision in a record written by :meth:`to_record`, derived with this rank's
+        own copy of generation ``N``'s member list: the members are ``members`` without
+        the lost ranks, in rank order (with ``moved`` applied), exactly the decider's.
+
+        Args:
+            obj: The record read from the store (after its MAC was checked).
+            members: Generation ``N``'s member ids by rank, as this rank knows them.
+
+        Raises:
+            ValueError: The record is malformed (not a mapping, a key missing or of the
+                wrong type, lost ranks not increasing within the world, a moved rank
+                not a member, a source outside the members, a negative step count), or
+                it was decided over another world size, or the member list derived here
+                does not match its digest (this rank's copy differs from the decider's).
+        """
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"a shrink decision is a mapping, got {type(obj).__name__}")
+        try:
+            world, lost, fail = _int(obj, "world"), _ints(obj, "lost"), obj["fail"]
+            if world != len(members):
+                raise ValueError(
+                    f"the decision is over a world of {world} ranks, this rank's generation "
+                    f"has {len(members)}"
+                )
+            if list(lost) != sorted(set(lost)) or any(not 0 <= r < world for r in lost):
+                raise ValueError(f"'lost' must be increasing ranks below {world}, got {lost}")
+            gone = set(lost)
+            old_ranks = tuple(r for r in range(world) if r not in gone)
+            if fail is not None:
+                if not isinstance(fail, str):
+                    raise ValueError(f"'fail' must be a str or None, got {fail!r}")
+                return cls(old_ranks=old_ranks, lost=lost, fail=fail)
+            outcome, sync, moved_raw = obj["outcome"], obj["sync"], obj["moved"]
+            if outcome not in _OUTCOMES:
+                raise ValueError(f"'outcome' must be one of {_OUTCOMES}, got {outcome!r}")
+            if not isinstance(sync, bool):
+                raise ValueError(f"'sync' must be a bool, got {sync!r}")
+            moved = _moved(moved_raw, old_ranks)
+            new = tuple(moved.get(r, members[r]) for r in old_ranks)
+            source, committed, gen = _int(obj, "source"), _int(obj, "committed"), _int(obj, "gen")
+            if not 0 <= source < len(new) or committed < 0:
+                raise ValueError(f"source {source} or step count {committed} out of range")
+            if _digest(obj) != members_digest(new):
+                raise ValueError(
+                    "the members derived from this rank's copy of the member list do not "
+                    "match the decision's digest: its copy differs from the decider's"
+                )
+            return cls(
+                old_ranks=old_ranks,
+                lost=lost,
+                gen=gen,
+                members=new,
+                source=source,
+                outcome=outcome,
+                sync=sync,
+                committed=committed,
+            )
+        except KeyError as e:
+            raise ValueError(f"a shrink decision needs {e.args[0]!r}") from None
+
+
+def _moved(raw: object, old_ranks: Sequence[int]) -> dict[int, int]:
+    """A record's ``moved`` list, ``[[rank, uid], ...]``, as ``{rank: uid}``.
+
+    Raises:
+        ValueError: Not a list of int pairs, a rank not among ``old_ranks``, or repeated.
+    """
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError(f"'moved' must be a list, got {raw!r}")
+    out: dict[int, int] = {}
+    kept = set(old_ranks)
+    for pair in raw:
+        # Two ints proper (type() is int: a bool is not a rank or an id).
+        ints = isinstance(pair, (list, tuple)) and [type(v) for v in pair] == [int, int]
+        if not ints or pair[0] not in kept or pair[0] in out:
+            raise ValueError(f"'moved' must hold [rank, uid] of distinct members, got {pair!r}")
+        out[pair[0]] = pair[1]
+    return out
 
 
 def _plausible(proposals: list[Proposal], my_committed: int | None) -> list[Proposal]:
@@ -540,7 +696,9 @@ class Admission:
         return self.members.index(uid)
 
     def to_json(self) -> dict[str, Any]:
-        """The dict stored under ``grow/g<from>`` (a joiner's copy adds its ``rank``)."""
+        """The whole admission: what each joiner's record ``join/adm/<uid>`` holds (with its
+        ``rank`` added), and what a member acts on once it derived it from the compact
+        :meth:`to_record` stored under ``grow/g<from>``."""
         return {
             "at": self.at,
             "joiners": list(self.joiners),
@@ -563,6 +721,63 @@ class Admission:
                 gen=_int(obj, "gen"),
                 from_gen=_int(obj, "from"),
                 members=_ints(obj, "members"),
+            )
+        except KeyError as e:
+            raise ValueError(f"an admission needs {e.args[0]!r}") from None
+
+    def to_record(self) -> dict[str, Any]:
+        """The compact record stored under ``grow/g<from>``, which every member reads: the
+        members before the admission are left out (each has its own copy), so its size
+        grows with the joiners, not the world. ``world`` is their number and ``digest``
+        that of :attr:`members` (:func:`members_digest`); :meth:`from_record` gives this
+        admission back. A joiner, which has no copy, reads :meth:`to_json` instead."""
+        return {
+            "at": self.at,
+            "joiners": list(self.joiners),
+            "gen": self.gen,
+            "from": self.from_gen,
+            "world": self.old_world,
+            "digest": members_digest(self.members),
+        }
+
+    @classmethod
+    def from_record(cls, obj: object, members: Sequence[int]) -> Admission:
+        """The admission in a record written by :meth:`to_record`, derived with this
+        member's own copy of the current member list: ``members`` then the joiners.
+
+        Args:
+            obj: The record read from the store (after its MAC was checked).
+            members: The current generation's member ids by rank, as this member knows them.
+
+        Raises:
+            ValueError: The record is malformed (not a mapping, a key missing or of the
+                wrong type, no joiner, a joiner repeated or a member already), it was
+                decided over another world size, or the member list derived here does not
+                match its digest (this member's copy differs from the decider's).
+        """
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"an admission is a mapping, got {type(obj).__name__}")
+        try:
+            world, joiners = _int(obj, "world"), _ints(obj, "joiners")
+            if world != len(members):
+                raise ValueError(
+                    f"the admission is over a world of {world} ranks, this member's "
+                    f"generation has {len(members)}"
+                )
+            new = (*members, *joiners)
+            if not joiners or len(set(new)) != len(new):
+                raise ValueError(f"joiners {list(joiners)} are none, repeat or are members")
+            if _digest(obj) != members_digest(new):
+                raise ValueError(
+                    "the members derived from this member's copy of the member list do not "
+                    "match the admission's digest: its copy differs from the decider's"
+                )
+            return cls(
+                at=_int(obj, "at"),
+                joiners=joiners,
+                gen=_int(obj, "gen"),
+                from_gen=_int(obj, "from"),
+                members=new,
             )
         except KeyError as e:
             raise ValueError(f"an admission needs {e.args[0]!r}") from None

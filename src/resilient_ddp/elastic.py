@@ -10,7 +10,9 @@ proposed or is known to have failed (the watchdog's reports), or ``op_timeout`` 
 first rank to claim the round reads the proposals, decides and publishes the decision; the
 others wait for it, reading one key a poll, and decide themselves only if that rank fails
 or does not publish in time. The first decision stored (``compare_set``) wins, so every
-rank acts on the same one:
+rank acts on the same one. It names the lost ranks, not the members: each rank derives the
+members and their new ranks from its own copy of the generation's member list, so what
+each survivor reads does not grow with the world:
 
 * the members of the next generation (those that proposed, in their old order);
 * the outcome for the step in flight: ``redo`` its reduction over the survivors (every
@@ -555,11 +557,15 @@ def _agree(
     (:func:`_await_decision`), and read the log and decide themselves only if the decider
     is reported failed or has not published within ``grace`` plus two heartbeat intervals
     and a second: the first decision stored wins either way. So one rank reads the log
-    (``W`` lines) per round, not every one of them: O(W) bytes in all, not O(W^2).
+    (``W`` lines) per round, not every one of them, and the others read a decision that
+    names the lost ranks, not the members (:meth:`ShrinkDecision.to_record
+    <._elastic_protocol.ShrinkDecision.to_record>`; each derives the members from its own
+    copy of the member list): O(W) bytes in all, not O(W^2).
 
     Args:
         rt: This rank's runtime.
-        el: Its elastic state (member id, committed steps).
+        el: Its elastic state (member id, committed steps, member list: the first
+            ``basis[1]`` ids are generation ``N``'s by rank).
         base: The round's key prefix, ``rec/g<N>/r<k>``.
         candidates: The ranks of generation ``N`` taking part in the round.
         where: Where this rank failed: ``"reduce"`` or ``"forward"``.
@@ -571,13 +577,15 @@ def _agree(
 
     Returns:
         The decision (:meth:`ShrinkDecision.to_json
-        <._elastic_protocol.ShrinkDecision.to_json>`).
+        <._elastic_protocol.ShrinkDecision.to_json>`: the members and their old ranks in
+        full, derived here).
 
     Raises:
-        ControlPlaneError: The store is unreachable, or holds garbage in every decision
-            slot.
+        ControlPlaneError: The store is unreachable, holds garbage in every decision
+            slot, or the decision taken cannot be followed (:func:`_follow`).
     """
     jobs = _jobs(rt.control_root)
+    members = list(el.members[: basis[1]])
     mine = proto.Proposal(
         rank=rt.rank,
         uid=el.uid,
@@ -596,7 +604,7 @@ def _agree(
     while True:
         taken = jobs.decision(decided)
         if taken is not None:
-            return taken
+            return _follow(decided, taken, members)
         moved = count.moved()
         gone, dead = _gone(rt)
         changed = known != (gone, dead)
@@ -616,8 +624,29 @@ def _agree(
     if decider is not None and decider != rt.rank and decider in candidates:
         taken = _await_decision(rt, jobs, decided, decider, len(candidates))
         if taken is not None:
-            return taken
-    return _decide_round(rt, el, jobs, base, candidates, basis, deadline)
+            return _follow(decided, taken, members)
+    taken = _decide_round(rt, el, jobs, base, candidates, basis, deadline, members)
+    return _follow(decided, taken, members)
+
+
+def _follow(key: str, record: dict[str, Any], members: list[int]) -> dict[str, Any]:
+    """The full decision (:meth:`ShrinkDecision.to_json
+    <._elastic_protocol.ShrinkDecision.to_json>`) of the compact ``record`` taken under
+    ``key``, derived from ``members`` (this rank's copy of the generation's member list).
+
+    Raises:
+        ControlPlaneError: The record (its MAC valid, or the job has no secret) is not a
+            decision this rank can follow: malformed, over another world size, or its
+            digest does not match the members derived here (this rank's copy differs
+            from the decider's: it raises alone, and the others, finding it missing when
+            they form the group, start another round without it).
+    """
+    try:
+        return proto.ShrinkDecision.from_record(record, members).to_json()
+    except ValueError as e:
+        raise ControlPlaneError(
+            f"the shrink decision under {key!r} in the control-plane store cannot be followed: {e}"
+        ) from None
 
 
 def _grace(cfg: Any) -> float:
@@ -640,7 +669,9 @@ def _await_decision(
     rate).
 
     Returns:
-        The decision, or ``None``: the caller decides itself.
+        The decision's record (:meth:`ShrinkDecision.to_record
+        <._elastic_protocol.ShrinkDecision.to_record>`), or ``None``: the caller decides
+        itself.
 
     Raises:
         ControlPlaneError: The store is unreachable.
@@ -676,16 +707,19 @@ def _decide_round(
     candidates: list[int],
     basis: tuple[int, int],
     deadline: float,
+    members: list[int],
 ) -> dict[str, Any]:
     """Decide shrink round ``base`` from its proposal log: as soon as every candidate has
     proposed or is known dead, or every one that has not is gone and silent for a grace
     (:func:`._elastic_protocol.should_decide`), or at ``deadline``; the first decision
     stored wins (another rank's may be there first). Reads the log when the proposal
     count or the watchdog's view moved and a decision may be due, and once more to decide
-    unless it was just read.
+    unless it was just read. The decision is stored as a compact record against
+    ``members``, generation ``N``'s member list as this rank knows it.
 
     Returns:
-        The decision taken.
+        The record of the decision taken (:meth:`ShrinkDecision.to_record
+        <._elastic_protocol.ShrinkDecision.to_record>`).
 
     Raises:
         ControlPlaneError: The store is unreachable, or holds garbage in every slot.
@@ -743,7 +777,7 @@ def _decide_round(
                 next_generation=functools.partial(_next_generation, rt),
                 my_committed=el.committed,
             )
-            return jobs.decide(decided, dec.to_json())
+            return jobs.decide(decided, dec.to_record(members))
         if rt.watchdog is not None:
             rt.watchdog.poke()
         poll.sleep(deadline if silent_since is None else min(deadline, silent_since + grace))
@@ -1163,7 +1197,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
     while True:
         taken = jobs.decision(key)
         if taken is not None:
-            el.grow = taken
+            el.grow = _admission(key, taken, el.members)
             return True
         n = jobs.join_count()
         if proto.needs_ack(el.acked, generation=rt.generation, requests=n):
@@ -1218,8 +1252,17 @@ def _decide(rt: Runtime, el: Elastic, jobs: ctl.JobStore, key: str, bound: int) 
     """Every member acknowledged, the largest count being ``bound``: propose the admission
     of the pending joiners under ``key`` and keep the decision taken (``el.grow``).
 
+    The members read a compact record (:meth:`Admission.to_record
+    <._elastic_protocol.Admission.to_record>`: the joiners, not the members); the member
+    whose proposal was taken gives each joiner the whole admission with its rank
+    (``join/adm/<uid>``): a joiner has no copy of the member list.
+
     Returns:
         Whether a decision holds (False: nothing is pending any more).
+
+    Raises:
+        ControlPlaneError: The store is unreachable, holds garbage in every slot, or the
+            decision taken cannot be followed (:func:`_admission`).
     """
     pending = pending_joiners(jobs, el)
     if not pending:
@@ -1233,12 +1276,33 @@ def _decide(rt: Runtime, el: Elastic, jobs: ctl.JobStore, key: str, bound: int) 
         next_generation=functools.partial(_next_generation, rt),
         generation=rt.generation,
         samplers_step=[s.admission_step for s in el.live_samplers()],
-    ).to_json()
-    el.grow = jobs.decide(key, dec)
-    if el.grow == dec:
+    )
+    record = dec.to_record()
+    taken = jobs.decide(key, record)
+    el.grow = _admission(key, taken, el.members)
+    if taken == record:
+        full = dec.to_json()
         for i, uid in enumerate(pending):
-            jobs.set_admission_for(uid, {**dec, "rank": len(el.members) + i})
+            jobs.set_admission_for(uid, {**full, "rank": len(el.members) + i})
     return True
+
+
+def _admission(key: str, record: dict[str, Any], members: list[int]) -> dict[str, Any]:
+    """The full admission (:meth:`Admission.to_json
+    <._elastic_protocol.Admission.to_json>`) of the compact ``record`` taken under ``key``,
+    derived from ``members`` (this member's copy of the generation's member list).
+
+    Raises:
+        ControlPlaneError: The record (its MAC valid, or the job has no secret) is not an
+            admission this member can follow: malformed, over another world size, or its
+            digest does not match the members derived here.
+    """
+    try:
+        return proto.Admission.from_record(record, members).to_json()
+    except ValueError as e:
+        raise ControlPlaneError(
+            f"the admission under {key!r} in the control-plane store cannot be followed: {e}"
+        ) from None
 
 
 def _unacknowledged(rt: Runtime, jobs: ctl.JobStore, n: int) -> Exception:
