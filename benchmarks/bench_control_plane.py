@@ -36,7 +36,9 @@ Per W:
    ``on_failure="shrink"``'s proposal: the data plane and the rebuild of the group are left
    out). Measured: the time from the report until each rank has the decision, how many
    ranks agree on it, how many read the round's whole proposal log (one is the goal: the
-   others wait for its decider's decision), and each rank's store requests and bytes.
+   others wait for its decider's decision), the bytes each rank read from the decision
+   key (the lost ranks, not the members: each derives those from its own member list),
+   and each rank's store requests and bytes.
 
 What a simulation on 2 cores can say: the store's load, in requests and bytes, and how
 it grows with W are the library's, whatever the machine; the CPU a TCPStore needs per
@@ -117,16 +119,24 @@ def _cpu_s(pid: int) -> float:
 # -- a worker process: its share of the virtual ranks -------------------------------------------
 class _Counts:
     """Store requests and bytes, per thread name, counted in ``ControlPlane._call``: per
-    thread ``[requests, bytes read, bytes written, shrink logs read, their bytes]``."""
+    thread ``[requests, bytes read, bytes written, shrink logs read, their bytes, shrink
+    decisions read, their bytes]``."""
 
     def __init__(self) -> None:
-        self.by_thread: dict[str, list[int]] = collections.defaultdict(lambda: [0] * 5)
+        self.by_thread: dict[str, list[int]] = collections.defaultdict(lambda: [0] * 7)
         self.lock = threading.Lock()
 
     def total(self) -> list[int]:
         with self.lock:
             rows = list(self.by_thread.values())
         return [sum(r[i] for r in rows) for i in range(3)]
+
+
+def _is_decision(key: str) -> bool:
+    """Whether ``key`` is a decision slot of a shrink round: ``rec/g<N>/r<k>/d`` or
+    ``rec/g<N>/r<k>/d/<i>``."""
+    parts = key.split("/")
+    return len(parts) in (4, 5) and parts[0] == "rec" and parts[3] == "d"
 
 
 def _count_calls(counts: _Counts) -> None:
@@ -139,11 +149,14 @@ def _count_calls(counts: _Counts) -> None:
         name = getattr(fn, "__name__", "")
         if name == "set_timeout":
             return result  # local to the client
-        got = put = logs = 0
+        got = put = logs = decisions = 0
         if name == "get":
             got = len(result)
-            # A whole proposal log of a shrink round (rec/g<N>/r<k>/log).
-            logs = int(str(args[0]).startswith("rec/") and str(args[0]).endswith("/log"))
+            key = str(args[0])
+            # A whole proposal log of a shrink round (rec/g<N>/r<k>/log), or one of its
+            # decision slots (rec/g<N>/r<k>/d, .../d/<i>).
+            logs = int(key.startswith("rec/") and key.endswith("/log"))
+            decisions = int(_is_decision(key))
         elif name == "multi_get":
             got = sum(len(v) for v in result)
         elif name in ("set", "append", "compare_set") and len(args) >= 2:
@@ -155,6 +168,8 @@ def _count_calls(counts: _Counts) -> None:
             row[2] += put
             row[3] += logs
             row[4] += got * logs
+            row[5] += decisions
+            row[6] += got * decisions
         return result
 
     ctl.ControlPlane._call = staticmethod(counting)  # type: ignore[method-assign]
@@ -619,6 +634,9 @@ def _shrink_trial(
         "log_readers": len(readers),
         "log_reads": sum(c[3] for c in counts),
         "log_bytes": max((c[4] // max(c[3], 1) for c in readers), default=0),
+        # The decision as stored (sealed) and what the survivors read of it, per survivor.
+        "decision_bytes": max((c[6] // max(c[5], 1) for c in counts), default=0),
+        "decision_read_bytes_per_rank": round(sum(c[6] for c in counts) / max(survivors, 1)),
         # The agreeing threads' own requests and bytes, per survivor ...
         "requests_per_rank": round(sum(c[0] for c in counts) / max(survivors, 1), 2),
         "read_bytes_per_rank": round(sum(c[1] for c in counts) / max(survivors, 1)),
