@@ -29,7 +29,10 @@ from ._procs import wait_for
 
 WORLD = 3
 HEARTBEAT_TIMEOUT_S = 2.0
+# Stopped for good: lost after this. Resumed: a store_timeout well past the stall, since the
+# first tick after the stall may need a new connection (a second or more on 2 loaded cores).
 STORE_TIMEOUT_S = 5.0
+RESUMED_STORE_TIMEOUT_S = 12.0
 STEPS = 150
 STALL_S = 2 * HEARTBEAT_TIMEOUT_S
 
@@ -88,7 +91,8 @@ def _run(tmp_path: Path, fault: str) -> tuple[dict[int, Any], str, dict[str, flo
     script.write_text(_RANK)
     env = {**os.environ, "RESILIENT_DDP_STORE": f"127.0.0.1:{port}", "PYTHONUNBUFFERED": "1"}
     env.pop("RESILIENT_DDP_JOB_ID", None)
-    args = [str(WORLD), str(tmp_path), str(STEPS), str(HEARTBEAT_TIMEOUT_S), str(STORE_TIMEOUT_S)]
+    store_timeout = RESUMED_STORE_TIMEOUT_S if fault == "resume" else STORE_TIMEOUT_S
+    args = [str(WORLD), str(tmp_path), str(STEPS), str(HEARTBEAT_TIMEOUT_S), str(store_timeout)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), *args],
