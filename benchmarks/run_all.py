@@ -1398,18 +1398,20 @@ def _shrink_reading(rows: list[dict[str, Any]]) -> str:
         f"{d['after_last_entry_s']:.2f} s later; the first survivor to claim the round read "
         f"the proposal log ({d['log_bytes'] / 1e3:,.0f} kB) once, where every survivor "
         f"reading it would have read at least {everyone} in all, and the others waited for "
-        "its decision, one request a poll." + _decision_reading(d)
+        "its decision, one request a poll." + _decision_reading(big["world"], d)
     )
 
 
-def _decision_reading(d: dict[str, Any]) -> str:
+def _decision_reading(world: int, d: dict[str, Any]) -> str:
     """What the survivors read of the decision (empty for runs before it was measured)."""
     if "decision_bytes" not in d:
         return ""
+    lost = world - d["members"]
     return (
-        f" The decision itself is {d['decision_bytes']:,} bytes: it names the lost ranks, "
-        "not the members, and each survivor derives the new member list and its rank from "
-        "its own copy of the generation's members."
+        f" The decision itself is {d['decision_bytes']:,} bytes: it names the {lost} lost "
+        "ranks (this trial's and the trials' before), not the members, and each survivor "
+        "derives the new member list and its rank from its own copy of the generation's "
+        "members."
     )
 
 
