@@ -651,6 +651,25 @@ def test_shrink_record_size_does_not_grow_with_the_world() -> None:
     assert sizes[4096] < 250, sizes
 
 
+def test_members_digest_tells_lists_apart_whatever_the_ids() -> None:
+    assert members_digest([0, 1, 2]) == members_digest((0, 1, 2))
+    assert len({members_digest(m) for m in ([0, 1, 2], [0, 2, 1], [0, 1], [0, 1, 3])}) == 4
+    # An id beyond 64 bits is hashed as text; the record still round-trips.
+    huge = [0, 2**70, 2]
+    assert members_digest(huge) != members_digest([0, 2**70 + 1, 2])
+    dec = ShrinkDecision(
+        old_ranks=(0, 1),
+        lost=(2,),
+        gen=12,
+        members=(0, 2**70),
+        source=0,
+        outcome="skip",
+        sync=True,
+        committed=8,
+    )
+    assert ShrinkDecision.from_record(dec.to_record(huge), huge) == dec
+
+
 def test_shrink_record_needs_ranks_that_split_the_world() -> None:
     with pytest.raises(ValueError, match="do not split"):
         GO_ON_DEC.to_record(MEMBERS[:3])

@@ -29,7 +29,11 @@ also claims, or one whose step count is implausible never shapes the decision.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
+import sys
+from array import array
 from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast, runtime_checkable
@@ -134,10 +138,27 @@ def members_digest(members: Sequence[int]) -> str:
 
     A compact decision carries it in place of the list; a reader that derived the list from
     its own copy checks it against this. It detects copies that differ, not forgeries: the
-    record's MAC does that.
+    record's MAC does that. The ids are hashed as 8-byte little-endian integers (the same
+    bytes on every platform; their decimal text if one does not fit): about 15 µs for
+    1024 ids, where the text of each would take 80.
     """
-    text = ",".join(str(int(m)) for m in members)
-    return hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_CHARS]
+    try:
+        ids = array("q", members)
+    except OverflowError:
+        data = ",".join(str(int(m)) for m in members).encode()
+    else:
+        if sys.byteorder != "little":
+            ids.byteswap()
+        data = ids.tobytes()
+    return hashlib.sha256(data).hexdigest()[:_DIGEST_CHARS]
+
+
+def _without(items: Sequence[int], lost: Sequence[int]) -> tuple[int, ...]:
+    """``items`` without the positions ``lost`` (increasing, within ``items``), in order:
+    a slice per run of positions kept, not a test per item (every survivor of a large world
+    derives its members this way at once, on a CPU it may share)."""
+    bounds = zip((-1, *lost), (*lost, len(items)), strict=True)
+    return tuple(itertools.chain.from_iterable(items[a + 1 : b] for a, b in bounds))
 
 
 # -- shrink ------------------------------------------------------------------------------------
@@ -375,8 +396,7 @@ class ShrinkDecision:
                 )
             if list(lost) != sorted(set(lost)) or any(not 0 <= r < world for r in lost):
                 raise ValueError(f"'lost' must be increasing ranks below {world}, got {lost}")
-            gone = set(lost)
-            old_ranks = tuple(r for r in range(world) if r not in gone)
+            old_ranks = _without(range(world), lost)
             if fail is not None:
                 if not isinstance(fail, str):
                     raise ValueError(f"'fail' must be a str or None, got {fail!r}")
@@ -386,8 +406,9 @@ class ShrinkDecision:
                 raise ValueError(f"'outcome' must be one of {_OUTCOMES}, got {outcome!r}")
             if not isinstance(sync, bool):
                 raise ValueError(f"'sync' must be a bool, got {sync!r}")
-            moved = _moved(moved_raw, old_ranks)
-            new = tuple(moved.get(r, members[r]) for r in old_ranks)
+            new = list(_without(members, lost))
+            for r, uid in _moved(moved_raw, world, lost).items():
+                new[r - bisect.bisect_left(lost, r)] = uid  # its new rank
             source, committed, gen = _int(obj, "source"), _int(obj, "committed"), _int(obj, "gen")
             if not 0 <= source < len(new) or committed < 0:
                 raise ValueError(f"source {source} or step count {committed} out of range")
@@ -400,7 +421,7 @@ class ShrinkDecision:
                 old_ranks=old_ranks,
                 lost=lost,
                 gen=gen,
-                members=new,
+                members=tuple(new),
                 source=source,
                 outcome=outcome,
                 sync=sync,
@@ -410,20 +431,21 @@ class ShrinkDecision:
             raise ValueError(f"a shrink decision needs {e.args[0]!r}") from None
 
 
-def _moved(raw: object, old_ranks: Sequence[int]) -> dict[int, int]:
+def _moved(raw: object, world: int, lost: Sequence[int]) -> dict[int, int]:
     """A record's ``moved`` list, ``[[rank, uid], ...]``, as ``{rank: uid}``.
 
     Raises:
-        ValueError: Not a list of int pairs, a rank not among ``old_ranks``, or repeated.
+        ValueError: Not a list of int pairs, a rank outside ``range(world)`` or in
+            ``lost``, or a rank repeated.
     """
     if not isinstance(raw, (list, tuple)):
         raise ValueError(f"'moved' must be a list, got {raw!r}")
     out: dict[int, int] = {}
-    kept = set(old_ranks)
     for pair in raw:
         # Two ints proper (type() is int: a bool is not a rank or an id).
         ints = isinstance(pair, (list, tuple)) and [type(v) for v in pair] == [int, int]
-        if not ints or pair[0] not in kept or pair[0] in out:
+        kept = ints and 0 <= pair[0] < world and pair[0] not in lost
+        if not kept or pair[0] in out:
             raise ValueError(f"'moved' must hold [rank, uid] of distinct members, got {pair!r}")
         out[pair[0]] = pair[1]
     return out
@@ -765,7 +787,8 @@ class Admission:
                     f"generation has {len(members)}"
                 )
             new = (*members, *joiners)
-            if not joiners or len(set(new)) != len(new):
+            unique = set(joiners)
+            if not joiners or len(unique) != len(joiners) or not unique.isdisjoint(members):
                 raise ValueError(f"joiners {list(joiners)} are none, repeat or are members")
             if _digest(obj) != members_digest(new):
                 raise ValueError(
