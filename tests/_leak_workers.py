@@ -4,6 +4,7 @@ once per cycle."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import faulthandler
@@ -28,6 +29,9 @@ SAMPLE_AFTER = 2
 KILL_AFTER = 3
 END_AFTER = 4
 VICTIM_RANK = WORLD - 1  # the newest rank: the joiner of the previous cycle (rank 3 at first)
+# A debugging option: every sample lists the store's keys (the test then names those that
+# stayed). Off by default: the lists are kept in every process's samples.
+LIST_KEYS_ENV = "RESILIENT_DDP_LEAK_LIST_KEYS"
 
 
 def _rss_kib() -> int:
@@ -71,13 +75,20 @@ def resources() -> dict[str, int]:
     return {"fds": min(fds), "threads": min(threads), "rss_kib": raw, "live_kib": _rss_kib()}
 
 
-def _store_keys() -> int:
-    """Keys in the job's store (all of them: the library's and torch's)."""
+def _store_keys() -> dict[str, Any]:
+    """Keys in the job's store (all of them: the library's and torch's): their number, and
+    their names with ``RESILIENT_DDP_LEAK_LIST_KEYS=1`` where the store can list them
+    (``TCPStore.list_keys``), for the test to name the keys that stayed."""
     from resilient_ddp import _runtime
 
     rt = _runtime.current()
     assert rt is not None
-    return int(rt.control_root.base.num_keys())
+    base = rt.control_root.base
+    names = None
+    if os.environ.get(LIST_KEYS_ENV) == "1":
+        with contextlib.suppress(AttributeError, RuntimeError, NotImplementedError):
+            names = sorted(base.list_keys())
+    return {"keys": int(base.num_keys()), "key_names": names}
 
 
 def _cfg() -> rd.ResilienceConfig:
@@ -107,7 +118,7 @@ def cycles(rank: int, n_cycles: int, deadline_s: float) -> dict[str, Any]:
 
     Returns:
         ``{"pid", "uid", "samples": [{"cycle", "step", "fds", "threads", "rss_kib",
-        "live_kib"}]}``: one sample per cycle this process saw complete, taken
+        "live_kib", "keys", "key_names"}]}``: one sample per cycle this process saw complete, taken
         ``SAMPLE_AFTER`` steps after the join that completed it (on every rank at the same
         step). Each sample is also printed.
     """
@@ -133,8 +144,9 @@ def cycles(rank: int, n_cycles: int, deadline_s: float) -> dict[str, Any]:
         step, whole = stats["step"], stats["world_size"] == WORLD
         if whole and done and step >= at + SAMPLE_AFTER and done != sampled:
             sampled = done
-            samples.append({"cycle": done, "step": step, **resources(), "keys": _store_keys()})
-            print(f"[pid {os.getpid()} rank {stats['rank']}] {samples[-1]}", flush=True)
+            samples.append({"cycle": done, "step": step, **resources(), **_store_keys()})
+            brief = {k: v for k, v in samples[-1].items() if k != "key_names"}
+            print(f"[pid {os.getpid()} rank {stats['rank']}] {brief}", flush=True)
         if whole and done >= n_cycles and step >= at + END_AFTER:
             break
         if (

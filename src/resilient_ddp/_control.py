@@ -21,7 +21,8 @@ One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``:
 ``dg/<s>/<k>/claim``   first rank to diagnose round ``k`` of op ``s`` (``add``)
 ``dg/<s>/<k>/v``       its verdict, which the other ranks wait for and take
 ``inf/<c>/done``       ranks done with inference call ``c`` (a counter)
-``extra``              names of the ``dg/`` and ``inf/`` keys made (``append``)
+``extra``              names of the ``dg/`` and ``inf/`` keys made, and ``ack/<k>`` for
+                       each count of join requests acknowledged (``append``)
 ``pg/...``             torch's rendezvous keys of the generation's process group
 =====================  =======================================================
 
@@ -941,7 +942,12 @@ class JobStore:
         """``rank`` saw ``requests`` join requests in ``generation`` when it had
         ``committed`` steps, and looks for the admission at every step boundary after."""
         self._put(ack_key(generation, requests, rank), {"committed": committed})
-        self._bump(self._ack_counter(generation, requests))
+        if int(self._c(self.root.add, self._ack_counter(generation, requests), 1)) == 1:
+            # The first rank to acknowledge this count notes it in the generation's
+            # ``extra`` (one line), for :meth:`forget_generation` to delete these keys: no
+            # single rank knows every count the others acknowledged in the generation.
+            append = getattr(self.root, "append")  # noqa: B009
+            self._c(append, f"g{generation}/extra", f"ack/{requests}\n")
 
     @staticmethod
     def _ack_counter(generation: int, requests: int) -> str:
@@ -1044,7 +1050,8 @@ class JobStore:
         """Delete generation ``generation``'s keys (``world`` ranks): its heartbeats,
         identities, events, claims and mismatch tables, and the job's keys of its shrink
         rounds (the first ``rounds``), formation, admission and acknowledgements (of the
-        request counts in ``acked``) with their arrival counters, and the rendezvous keys
+        request counts in ``acked`` and of those any rank noted in ``g<N>/extra``: see
+        :meth:`ack`) with their arrival counters, and the rendezvous keys
         torch 2.13's gloo writes for the generation's group (``g<N>/pg/0//cpu//0/<r>``;
         other torch versions may write others, which stay).
 
@@ -1052,7 +1059,15 @@ class JobStore:
             How many keys were deleted.
         """
         g = f"g{generation}"
-        acked = list(acked)
+        names: list[str] = []
+        if self._has(f"{g}/extra"):
+            # Keys only some ops created (ControlPlane.note_keys, claim_decision) and the
+            # request counts acknowledged (ack), one name a line. Unsealed: only names of
+            # those families are believed.
+            raw = self._c(self.root.get, f"{g}/extra")
+            names = bytes(raw).decode(errors="replace").split("\n")
+        noted = {int(k[4:]) for k in names if k.startswith("ack/") and k[4:].isdigit()}
+        acked = sorted(set(acked) | noted)
         keys = [f"{g}/ev/n", f"{g}/ev/log", f"{g}/diag", f"left/{g}"]
         for r in range(world):
             keys += [f"{g}/info/{r}", f"{g}/state/{r}", f"{g}/claim/{r}"]
@@ -1067,11 +1082,7 @@ class JobStore:
         # The arrival counters (JobStore._tally)
         keys += [f"form/{g}/n", f"adm/{g}/ok/n"]
         keys += [self._ack_counter(generation, n) for n in acked]
-        if self._has(f"{g}/extra"):
-            # Keys only some ops created (ControlPlane.note_keys), one name a line.
-            # Unsealed: only names of those families are believed.
-            raw = self._c(self.root.get, f"{g}/extra")
-            names = bytes(raw).decode(errors="replace").split("\n")
+        if names:
             keys += [f"{g}/{k}" for k in names if k.startswith(_NOTED_FAMILIES)]
             keys.append(f"{g}/extra")
         deleted = 0

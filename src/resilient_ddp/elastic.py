@@ -416,6 +416,7 @@ def recover(
             _form(rt, el, dec["gen"], dec["members"], dec.get("old_ranks"))
         except RankFailureError as e:
             log.warning("rank %d: forming generation %d failed: %s", rt.rank, dec["gen"], e)
+            _abandon(el, dec["gen"], len(dec["members"]))
             round_ += 1
             candidates = list(dec["old_ranks"])
             continue
@@ -426,6 +427,7 @@ def recover(
             # The source (or another member) failed while sending: start over from the
             # generation just formed.
             log.warning("rank %d: state transfer failed: %s", rt.rank, e)
+            _abandon(el, gen_from, world)
             round_, candidates, gen_from = 0, list(range(rt.world_size)), rt.generation
             world = rt.world_size
             continue
@@ -895,6 +897,14 @@ def _publish_members(rt: Runtime, gen_from: int, world_from: int) -> None:
         ).start()
 
 
+def _abandon(el: Elastic, gen: int, world: int) -> None:
+    """Generation ``gen`` (``world`` ranks) was drawn, and perhaps formed, but the job goes
+    on without it (its formation, admission or state transfer failed): its keys are
+    deleted with those of the generation before the next complete one (its rank 0 deletes
+    every generation of ``el.past`` but the last)."""
+    el.past.append((gen, world, set()))
+
+
 def _forget(rt: Runtime, generations: list[tuple[int, int, set[int]]]) -> None:
     """Delete the keys of ``generations``; best effort (a failure leaves keys behind)."""
     try:
@@ -1022,6 +1032,7 @@ def maybe_admit(
                 if not jobs.ready(gen, [before + i]):
                     jobs.add_join_try(uid)
         el.grow = None
+        _abandon(el, gen, len(grow["members"]))
         for s, undo in saved:
             s.on_admission_failed(undo)
         error = error or RankFailureError(
