@@ -31,7 +31,7 @@ END_AFTER = 4
 VICTIM_RANK = WORLD - 1  # the newest rank: the joiner of the previous cycle (rank 3 at first)
 # A debugging option: every sample lists the store's keys (the test then names those that
 # stayed). Off by default: the lists are kept in every process's samples.
-LIST_KEYS_ENV = "RESILIENT_DDP_LEAK_LIST_KEYS"
+LIST_KEYS_ENV = "LEAK_TEST_LIST_KEYS"  # not RESILIENT_DDP_*: the library rejects unknown ones
 
 
 def _rss_kib() -> int:
@@ -77,7 +77,7 @@ def resources() -> dict[str, int]:
 
 def _store_keys() -> dict[str, Any]:
     """Keys in the job's store (all of them: the library's and torch's): their number, and
-    their names with ``RESILIENT_DDP_LEAK_LIST_KEYS=1`` where the store can list them
+    their names with ``LEAK_TEST_LIST_KEYS=1`` where the store can list them
     (``TCPStore.list_keys``), for the test to name the keys that stayed."""
     from resilient_ddp import _runtime
 
