@@ -1042,11 +1042,21 @@ def test_pending_joiners_asks_only_about_ids_in_question() -> None:
 # -- wait loops: one counter a poll, whatever the number of ranks ------------------------------
 # Every rank of a job polls these loops at once, on one store: a poll must cost each rank a
 # fixed number of requests (a counter, a decision key), not one key (or log line) per rank.
-def _rt(root: Any, world: int, rank: int = 0, dead: tuple[int, ...] = ()) -> Any:
+def _rt(
+    root: Any,
+    world: int,
+    rank: int = 0,
+    dead: tuple[int, ...] = (),
+    *,
+    op_timeout: float = 5,
+    interval: float = 0.2,
+) -> Any:
+    """The parts of a ``Runtime`` that the wait loops use; no watchdog: the failures it
+    would have recorded are given (``dead``: crashed ranks)."""
     cfg = SimpleNamespace(
-        op_timeout=timedelta(seconds=5),
+        op_timeout=timedelta(seconds=op_timeout),
         heartbeat_timeout=timedelta(seconds=5),
-        heartbeat_interval=timedelta(seconds=0.2),
+        heartbeat_interval=timedelta(seconds=interval),
         min_world_size=1,
     )
     return SimpleNamespace(

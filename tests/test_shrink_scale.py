@@ -12,11 +12,9 @@ the test ends.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +27,7 @@ from resilient_ddp._elastic_protocol import Proposal, ShrinkDecision
 from resilient_ddp.errors import ControlPlaneError
 
 from ._counting_store import CountingStore
+from .test_elastic_protocol import _rt as protocol_rt
 
 BASE = "rec/g0/r0"
 LOG = f"{BASE}/log"
@@ -72,25 +71,8 @@ def _sealed_through_counting_stores(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _rt(root: Any, world: int, rank: int, dead: tuple[int, ...], interval: float = 0.2) -> Any:
-    """The parts of a ``Runtime`` that ``_agree`` uses; no watchdog: the failures it would
-    have recorded are given (``dead``: crashed ranks)."""
-    cfg = SimpleNamespace(
-        op_timeout=timedelta(seconds=10),
-        heartbeat_timeout=timedelta(seconds=5),
-        heartbeat_interval=timedelta(seconds=interval),
-        min_world_size=1,
-    )
-    return SimpleNamespace(
-        rank=rank,
-        world_size=world,
-        generation=0,
-        config=cfg,
-        control_root=root,
-        watchdog=None,
-        lock=threading.RLock(),
-        failures=[{"kind": "crash", "rank": r} for r in dead],
-        left={},
-    )
+    """The parts of a ``Runtime`` that ``_agree`` uses (op_timeout 10 s)."""
+    return protocol_rt(root, world, rank, dead, op_timeout=10, interval=interval)
 
 
 class _Ranks:
