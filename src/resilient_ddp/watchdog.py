@@ -153,13 +153,9 @@ class Watchdog(threading.Thread):
     def __init__(self, runtime: Runtime) -> None:
         super().__init__(name=f"resilient_ddp-watchdog-r{runtime.rank}", daemon=True)
         self.rt = runtime
-        self.control = runtime.connection("watchdog")
+        self.control = self._bounded(runtime.connection("watchdog"))
         self.interval = runtime.config.heartbeat_interval.total_seconds()
         self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
-        # Bounds the calls that torch's TCPStore client does time out (a multi_get may);
-        # others block until the store answers, and Runtime.failed_for times those stalls
-        # (a store that fell behind is given store_timeout, one that is gone is not).
-        self.control.set_timeout(runtime.config.heartbeat_timeout)
         self._stop_event = threading.Event()
         self._wake = threading.Event()
         self._poking = False  # see poke()
@@ -198,6 +194,14 @@ class Watchdog(threading.Thread):
         # does not hide that rank's silence.
         self._good_states: dict[int, dict[str, Any]] = {}
 
+    def _bounded(self, control: ctl.ControlPlane) -> ctl.ControlPlane:
+        """``control`` with its calls bounded by ``heartbeat_timeout``: the calls that
+        torch's TCPStore client does time out (a multi_get may). Others block until the
+        store answers, and Runtime.failed_for times those stalls (a store that fell behind
+        is given store_timeout, one that is gone is not)."""
+        control.set_timeout(self.rt.config.heartbeat_timeout)
+        return control
+
     # -- lifecycle ---------------------------------------------------------------------------
     def stop(self, timeout: float | None = None) -> None:
         """Ask the thread to stop and wait for it (at most ``timeout`` seconds)."""
@@ -233,23 +237,15 @@ class Watchdog(threading.Thread):
     def _loop(self) -> None:
         self.rt.watchdog_tick = time.monotonic()
         while not self._stop_event.is_set():
+            completed = True
             try:
                 self.tick()
             except ControlPlaneError as e:
-                if self._stop_event.is_set():
+                if self._stop_event.is_set() or self._lost(e):
                     return
-                if self.rt.control_plane_error is not None:  # the main thread gave up on it
-                    self._abort_backend()
-                    return
-                if not self._fell_behind(e):
-                    log.error("rank %d: %s", self.rt.rank, e)
-                    self.rt.on_control_plane_lost(e)
-                    self._abort_backend()
-                    return
-                # No completed tick: the main thread times the stall (Runtime.failed_for).
-                self._wake.wait(self.interval)
-                self._wake.clear()
-                continue
+                # The store fell behind: no completed tick, so that the main thread times
+                # the stall (Runtime.failed_for).
+                completed = False
             except Exception as e:  # noqa: BLE001 - logged, counted, and told when it stops
                 if self._tick_failed(e):
                     return
@@ -263,10 +259,22 @@ class Watchdog(threading.Thread):
                     self.consecutive_errors = 0
             # A tick that returned, even with an error, is no stalled store (see
             # Runtime.failed_for): repeated errors are told by _give_up, and accurately.
-            if not self._stop_event.is_set():
+            if completed and not self._stop_event.is_set():
                 self.rt.tick_completed()
             self._wake.wait(self.interval)
             self._wake.clear()
+
+    def _lost(self, e: ControlPlaneError) -> bool:
+        """After a tick that raised ``e``: whether the control plane is lost (told, and the
+        backend aborted), rather than a store that fell behind."""
+        if self.rt.control_plane_error is None:
+            if self._fell_behind(e):
+                return False
+            log.error("rank %d: %s", self.rt.rank, e)
+            self.rt.on_control_plane_lost(e)
+        # else the main thread gave up on the store (store_timeout) and told it
+        self._abort_backend()
+        return True
 
     def _fell_behind(self, e: ControlPlaneError) -> bool:
         """Whether a store call that timed out means the store fell behind rather than went
@@ -277,7 +285,8 @@ class Watchdog(threading.Thread):
         probe = self.rt.store_probe
         if probe is None or not isinstance(cause, RuntimeError):
             return False
-        if "timeout" not in str(cause).lower() and "timed out" not in str(cause).lower():
+        text = str(cause).lower()
+        if "timeout" not in text and "timed out" not in text:
             return False
         verdict, _ = ctl.probe_store(probe.address)
         if verdict != ctl.PROBE_ANSWERS:
@@ -369,8 +378,7 @@ class Watchdog(threading.Thread):
     def tick(self) -> None:
         rt = self.rt
         if self._reconnect:
-            self.control = rt.reconnect("watchdog")
-            self.control.set_timeout(rt.config.heartbeat_timeout)
+            self.control = self._bounded(rt.reconnect("watchdog"))
             self._jobs = None
             self._reconnect = False
         self._beat += 1
