@@ -323,8 +323,9 @@ class RankOutcome:
 
     Attributes:
         rank: The process's rank.
-        exitcode: Its exit code; negative for a signal (``-9`` for SIGKILL), ``None`` if it
-            had to be killed by the launcher at the deadline.
+        exitcode: Its exit code; negative for a signal (``-9`` for SIGKILL), ``None`` if
+            the launcher had to kill it: at the deadline, or (elastic training) when it was
+            still alive 1 s after the group removed it (stopped or hung).
         value: What the function returned (``None`` if it did not return).
         exc_type: Qualified type name of the exception it raised, if any.
         exc_message: That exception's message.

@@ -36,6 +36,7 @@ from .errors import RankOutcome, SpawnError
 # the way (the library's own verdict signal is SIGRTMIN+6).
 STACK_SIGNAL = signal.SIGRTMIN + 7
 _STACK_DUMP_S = 0.5  # time given to the dumps before SIGKILL
+_EVICT_GRACE_S = 1.0  # an evicted process may end by itself this long before it is killed
 
 __all__ = ["spawn"]
 
@@ -189,6 +190,7 @@ class _Job:
         self.results: dict[int, tuple[str, Any]] = {}
         self.killed: set[int] = set()
         self.ever_member: set[int] = set(range(nprocs))
+        self.evicted_at: dict[int, float] = {}  # member id -> when its removal was seen
 
     def _start(self, rank: int, *, joiner: bool) -> None:
         recv, send = self.ctx.Pipe(duplex=False)
@@ -289,7 +291,11 @@ class _Job:
         self._start(rank, joiner=True)
 
     def _remove_evicted(self) -> None:
-        """Kill a process the group removed (stopped or hung while the others went on)."""
+        """Kill a process the group removed (stopped or hung while the others went on)
+        once it has had ``_EVICT_GRACE_S`` to end by itself: a process that died (by
+        SIGKILL, say) can still look alive while the kernel tears it down, after the
+        survivors have already seen it gone; it then reports its own exit code, not the
+        launcher's kill (``exitcode=None``)."""
         try:
             record = self.jobs.members()
             if record is None:
@@ -298,9 +304,13 @@ class _Job:
         except Exception:  # noqa: BLE001 - the store is ours; a failed read is retried
             return
         self.ever_member |= members
+        now = time.monotonic()
         for rank, p in enumerate(self.procs):
             uid = self.uids[rank]
-            if p.is_alive() and uid in self.ever_member and uid not in members:
+            if uid not in self.ever_member or uid in members or not p.is_alive():
+                continue
+            since = self.evicted_at.setdefault(uid, now)
+            if now - since >= _EVICT_GRACE_S:
                 self.killed.add(rank)
                 p.kill()
                 p.join(5)

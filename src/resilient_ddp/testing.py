@@ -85,12 +85,24 @@ def run_ranks(
 
 
 def format_outcomes(outcomes: Sequence[RankOutcome]) -> str:
-    """A readable account of every rank's end, tracebacks included (for assert messages)."""
+    """A readable account of every rank's end, tracebacks included (for assert messages).
+
+    With ``spawn(restarts=N)``, the processes each slot had before its last one (its
+    ``previous`` outcomes) are listed under it, oldest first, with their tracebacks.
+    """
     lines = []
     for o in outcomes:
         lines.append(f"--- rank {o.rank}: exitcode={o.exitcode} value={o.value!r}")
         if o.traceback:
             lines.append(o.traceback.rstrip())
+        for i, p in enumerate(o.previous):
+            what = f"raised {p.exc_type}" if p.exc_type else f"value={p.value!r}"
+            lines.append(
+                f"    rank {o.rank}, process {i + 1} of {len(o.previous) + 1}: "
+                f"exitcode={p.exitcode} {what}"
+            )
+            if p.traceback:
+                lines.extend("    " + line for line in p.traceback.rstrip().splitlines())
     return "\n".join(lines)
 
 
