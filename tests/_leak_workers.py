@@ -55,13 +55,70 @@ def _fds() -> int:
     return n
 
 
-def resources() -> dict[str, int]:
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc 2.33 and later): byte counts over all arenas."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _heap_kib() -> int | None:
+    """Bytes (KiB) the C heap holds for live allocations, in every arena and in mmapped
+    chunks (``uordblks + hblkhd``): what was allocated and not freed, whatever the
+    allocator keeps around it. Python objects, tensors' storage and gloo's buffers are all
+    allocated there. None where the C library has no ``mallinfo2``."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    fn = getattr(ctypes.CDLL(name), "mallinfo2", None)
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd) // 1024
+
+
+# The library's helper threads that clean up after earlier generations: they release a
+# retired process group (its sockets and threads) and delete old generations' store keys.
+# Under load they may still run a step or two after a join: what they hold is on its way
+# out, not leaked.
+CLEANUP_THREADS = ("resilient_ddp-release", "resilient_ddp-forget")
+# The longest a sample waits for them (it holds up the next step's collective, which the
+# others wait for up to op_timeout, 4 s).
+SETTLE_S = 2.0
+
+
+def _settle() -> None:
+    """Wait (at most ``SETTLE_S``) for the clean-up threads still running to end."""
+    deadline = time.monotonic() + SETTLE_S
+    for t in threading.enumerate():
+        if t.name in CLEANUP_THREADS:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+def resources() -> dict[str, int | None]:
     """This process's open descriptors, native threads (``/proc/self/task``: gloo's too),
-    RSS as it is (KiB) and RSS of live memory: after ``gc.collect()`` and glibc's
+    RSS as it is (KiB), RSS of live memory: after ``gc.collect()`` and glibc's
     ``malloc_trim(0)``, which hand back what was freed but kept by the garbage collector's
-    generations or by the allocator (it is reused, not leaked). Descriptors and threads
-    are the least of three reads 10 ms apart: another thread's short-lived ones do not
-    count."""
+    generations or by the allocator (it is reused, not leaked), and the heap's live bytes
+    (``_heap_kib``: not moved by the allocator's fragmentation, which RSS is). Descriptors
+    and threads are the least of three reads 10 ms apart: another thread's short-lived
+    ones do not count. Taken once the clean-up of earlier generations ended
+    (``_settle``)."""
+    _settle()
     fds, threads = [], []
     for _ in range(3):
         fds.append(_fds())
@@ -72,7 +129,13 @@ def resources() -> dict[str, int]:
     libc = ctypes.util.find_library("c")
     if libc:
         ctypes.CDLL(libc).malloc_trim(0)
-    return {"fds": min(fds), "threads": min(threads), "rss_kib": raw, "live_kib": _rss_kib()}
+    return {
+        "fds": min(fds),
+        "threads": min(threads),
+        "rss_kib": raw,
+        "live_kib": _rss_kib(),
+        "heap_kib": _heap_kib(),
+    }
 
 
 def _store_keys() -> dict[str, Any]:
@@ -118,9 +181,9 @@ def cycles(rank: int, n_cycles: int, deadline_s: float) -> dict[str, Any]:
 
     Returns:
         ``{"pid", "uid", "samples": [{"cycle", "step", "fds", "threads", "rss_kib",
-        "live_kib", "keys", "key_names"}]}``: one sample per cycle this process saw complete, taken
-        ``SAMPLE_AFTER`` steps after the join that completed it (on every rank at the same
-        step). Each sample is also printed.
+        "live_kib", "heap_kib", "keys", "key_names"}]}``: one sample per cycle this process
+        saw complete, taken ``SAMPLE_AFTER`` steps after the join that completed it (on
+        every rank at the same step). Each sample is also printed.
     """
     torch.set_num_threads(1)
     # Stacks of every thread, then exit, before the launcher's deadline.
