@@ -55,6 +55,15 @@ def _fds() -> int:
     return n
 
 
+def _load_libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+# The C library (malloc_trim, mallinfo2), loaded once; None where it cannot be found.
+_LIBC = _load_libc()
+
+
 class _MallInfo2(ctypes.Structure):
     """glibc's ``struct mallinfo2`` (glibc 2.33 and later): byte counts over all arenas."""
 
@@ -80,10 +89,7 @@ def _heap_kib() -> int | None:
     chunks (``uordblks + hblkhd``): what was allocated and not freed, whatever the
     allocator keeps around it. Python objects, tensors' storage and gloo's buffers are all
     allocated there. None where the C library has no ``mallinfo2``."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    fn = getattr(ctypes.CDLL(name), "mallinfo2", None)
+    fn = getattr(_LIBC, "mallinfo2", None)
     if fn is None:
         return None
     fn.restype = _MallInfo2
@@ -126,9 +132,8 @@ def resources() -> dict[str, int | None]:
         time.sleep(0.01)
     raw = _rss_kib()
     gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        ctypes.CDLL(libc).malloc_trim(0)
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
     return {
         "fds": min(fds),
         "threads": min(threads),

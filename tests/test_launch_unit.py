@@ -12,7 +12,8 @@ from resilient_ddp.testing import format_outcomes
 
 
 class _Proc:
-    """A process stand-in: alive until ``end()``, and what the launcher did to it."""
+    """A process stand-in: alive until ``alive`` is set False or it is killed, and how
+    often the launcher killed it."""
 
     def __init__(self) -> None:
         self.alive = True
