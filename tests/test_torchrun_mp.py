@@ -258,6 +258,35 @@ def test_a_plain_torch_init_survives_torchruns_restart(tmp_path: Path) -> None:
     assert "torch.distributed.init_process_group(): after a restart" not in report, report
 
 
+@pytest.mark.torchrun
+def test_a_script_that_sets_master_port_is_told_to_remove_the_line(tmp_path: Path) -> None:
+    """Issue 30: PyTorch's DDP tutorial sets MASTER_PORT=12355 in the script. Under torchrun
+    every rank would wait on that empty port for init_timeout (300 s) and then ask whether
+    rank 0 runs; a rank names the line within 10 s instead. (torchrun stops the others when
+    the first one exits: a rank still importing torch then never gets to say it.)"""
+    job = run_torchrun(tmp_path, "--tutorial-port", restarts=0, env={}, deadline=60.0)
+    report = job.report()
+    assert job.returncode not in (0, None), report
+    told = 0
+    for rank in range(WORLD):
+        (stderr,) = job.logs.glob(f"*/attempt_0/{rank}/stderr.log")
+        text = stderr.read_text(errors="replace")
+        if "PreflightError" not in text:
+            continue
+        told += 1
+        assert "PreflightError: The rendezvous environment of this process is not usable" in (
+            text
+        ), report
+        assert "the script sets MASTER_PORT=12355, but torchrun's rendezvous store is at " in (
+            text
+        ), report
+        assert "remove os.environ['MASTER_PORT'] = ..." in text, report
+        took = re.search(r"init ended after ([0-9.]+) s", job.stdout(0, rank))
+        assert took is not None, report
+        assert float(took.group(1)) < 10.0, report
+    assert told >= 1, report
+
+
 # -- the error file, read by torch's own parser ---------------------------------------------
 
 

@@ -866,7 +866,8 @@ class Runtime:
         secondary = bool(self.failures) or self.raised or self.status == "failed"
         culprit = ctl.culprit_from(
             self.rank,
-            what=f"left the group after op #{self.op_seq} ({self.op or 'none'})",
+            what=f"left the group after op #{self.op_seq} ({self.op or 'none'})"
+            + _sampler_hint(self),
             info=self.identity,
             state=self.snapshot(0),
         )
@@ -1089,6 +1090,22 @@ class Runtime:
 
 
 # -- formatting helpers -----------------------------------------------------------------------
+def _sampler_hint(rt: Runtime) -> str:
+    """A hint for the peers of ``rt``'s rank, which leaves its group: when it trained (a
+    ``ResilientDDP`` step ran) and iterated a ``BalancedDistributedSampler``, the inference
+    sampler, whose shards are uneven, is the likely reason it ran out of batches first.
+    ``""`` otherwise."""
+    from . import sampler
+
+    if not sampler.balanced_iterated() or rt.step < 0 or rt.local_forward:
+        return ""
+    return (
+        "; HINT: it trained with rd.BalancedDistributedSampler, an inference sampler whose "
+        "shards are uneven; to give every rank the same number of steps, train with "
+        "rd.LockstepBatchSampler, rd.ElasticBatchSampler or torch's DistributedSampler"
+    )
+
+
 def qualname(cls: type) -> str:
     """``module.Class`` (bare for builtins and ``__main__``), as reports name types."""
     mod = cls.__module__

@@ -436,6 +436,10 @@ def _child_main(
     # The parent's environment at start, exactly (see _Job._start).
     os.environ.clear()
     os.environ.update(env)
+    # What this launcher set, for preflight to tell a script that overrides it.
+    from .preflight import note_launcher
+
+    note_launcher(env)
     faulthandler.enable()
     # The launcher asks a process it is about to kill for its threads' stacks (reap).
     faulthandler.register(STACK_SIGNAL, all_threads=True)

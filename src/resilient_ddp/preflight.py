@@ -136,10 +136,114 @@ def check_environment(
     local_size = integer("LOCAL_WORLD_SIZE", None, 0, 0, 1 << 16)
     local = integer("LOCAL_RANK", None, 0, 0, max(local_size - 1, 0) if local_size else 1 << 16)
     restart = integer("TORCHELASTIC_RESTART_COUNT", None, 0, 0, 1 << 30)
+    if environ is None:
+        problems.extend(overridden_by_script())
     if problems:
         return None, problems
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
     return Environment(addr, port, me, size, local, local_size, restart, agent), []
+
+
+# -- what the launcher set, against what the script set ---------------------------------------
+# rd.spawn's store address, recorded by the process it starts before the user's function
+# runs (see launch._child_main): under the fork server, /proc/self/environ holds the
+# server's environment, not the one the launcher gave this process.
+_spawned_with: dict[str, str] = {}
+
+
+def note_launcher(environ: Mapping[str, str]) -> None:
+    """Record the rendezvous variables that :func:`resilient_ddp.spawn` gave this process,
+    before the user's code runs (see :func:`overridden_by_script`)."""
+    _spawned_with.clear()
+    _spawned_with.update(
+        {k: environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in environ},
+        launcher="rd.spawn",
+    )
+
+
+def _initial_environ() -> dict[str, str]:
+    """The environment this process was started with (``/proc/self/environ``: writes to
+    ``os.environ`` do not change it); empty where it cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def launcher_rendezvous() -> dict[str, str]:
+    """The rendezvous variables the launcher of this process set, when it hosts the store
+    every rank connects to (torchrun's agent, :func:`resilient_ddp.spawn`'s parent).
+
+    Returns:
+        ``{"launcher": name, "MASTER_ADDR": ..., "MASTER_PORT": ...}``, or ``{}`` when the
+        process was not started by such a launcher (or its start environment is unreadable).
+    """
+    if _spawned_with:
+        return dict(_spawned_with)
+    initial = _initial_environ()
+    agent = initial.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
+    if not agent or "TORCHELASTIC_RUN_ID" not in initial:
+        return {}  # not torchrun, or rank 0 hosts the store: the script's port is used
+    launched: dict[str, str] = {
+        k: initial[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in initial
+    }
+    return {"launcher": "torchrun", **launched}
+
+
+def overridden_by_script(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The rendezvous variables this process's own code changed after its launcher set them.
+
+    Under torchrun (its agent's store) or :func:`resilient_ddp.spawn`, every rank connects
+    to the store the launcher hosts at ``MASTER_ADDR:MASTER_PORT``. A script that sets
+    ``MASTER_PORT`` itself (as torch's DDP tutorial does) sends every rank to a port where
+    no one listens: without this check, start-up waits out ``init_timeout`` and then blames
+    rank 0. The same value set again is no problem, nor is a script that also turns the
+    launcher's store off (``TORCHELASTIC_USE_AGENT_STORE=0``: rank 0 then hosts one at its
+    ``MASTER_PORT``). A changed ``MASTER_ADDR`` alone is only logged: another name of the
+    store's host (``localhost``) still reaches it.
+
+    Args:
+        environ: The current variables (default: ``os.environ``).
+
+    Returns:
+        One problem per changed port, each with the fix; ``[]`` when there is none.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() not in ("1", "true"):
+        return []  # rank 0 hosts the store at the script's MASTER_PORT: consistent
+    launched = launcher_rendezvous()
+    if not launched:
+        return []
+    who = launched["launcher"]
+    want_addr, want_port = launched.get("MASTER_ADDR", ""), launched.get("MASTER_PORT", "")
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if want_port and port != want_port:
+        changed = f"MASTER_PORT={port}" if port else "MASTER_PORT unset"
+        also = f" and MASTER_ADDR={addr}" if addr != want_addr and addr else ""
+        line = "os.environ['MASTER_PORT'] = ..." if port else "the line that removes it"
+        return [
+            f"the script sets {changed}{also}, but {who}'s rendezvous store is at "
+            f"{want_addr}:{want_port}, where every rank connects: remove {line} (and "
+            f"any setting of MASTER_ADDR); {who} sets both"
+        ]
+    if want_addr and addr != want_addr:
+        log.warning(
+            "the script sets MASTER_ADDR=%s, but %s's rendezvous store is at %s:%s: if "
+            "start-up cannot reach the store, remove the line that sets it (%s sets it)",
+            addr,
+            who,
+            want_addr,
+            want_port,
+            who,
+        )
+    return []
 
 
 def preflight(
@@ -253,12 +357,26 @@ def _open_store(env: Environment, deadline: float, store_timeout: timedelta) -> 
         store: dist.Store = retrying(connect)
     except _TransientError as e:
         role = "host" if host_store else "reach"
+        hint = (
+            "is rank 0 running, is MASTER_ADDR rank 0's address as seen from this host, and "
+            "is the port open in the firewall?"
+        )
+        launched = launcher_rendezvous()
+        if env.agent_store and launched:
+            who, addr = launched["launcher"], launched.get("MASTER_ADDR", "")
+            hint = (
+                f"the store is {who}'s, not rank 0's: is {who} still running, and is "
+                "MASTER_ADDR its host's address as seen from this host?"
+            )
+            if addr and addr != env.master_addr:
+                hint += (
+                    f" {who} set MASTER_ADDR={addr} and the script changed it to "
+                    f"{env.master_addr}: remove the line that sets it."
+                )
         raise PreflightError(
             f"Rank {env.rank} (host {socket.gethostname()}) could not {role} the rendezvous "
             f"store at {env.master_addr}:{env.master_port} within the init budget "
-            f"({attempts} attempt(s)): {str(e).rstrip('.')}. HINT: is rank 0 running, is "
-            "MASTER_ADDR rank 0's address as seen from this host, and is the port open in the "
-            "firewall?",
+            f"({attempts} attempt(s)): {str(e).rstrip('.')}. HINT: {hint}",
             problems=[
                 f"store {env.master_addr}:{env.master_port} unreachable from rank {env.rank}"
             ],

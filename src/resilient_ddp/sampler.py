@@ -469,6 +469,8 @@ class BalancedDistributedSampler(_CostSplit, Sampler[int]):
         return float(self.loads.max()) / self._lower_bound
 
     def __iter__(self) -> Iterator[int]:
+        global _balanced_iterated
+        _balanced_iterated = True
         return iter(self._indices(self._rank).tolist())
 
     def __len__(self) -> int:
@@ -476,6 +478,17 @@ class BalancedDistributedSampler(_CostSplit, Sampler[int]):
         if self._q is None:
             return len(range(self._rank, self._n, self._num_replicas))
         return int(self._indices(self._rank).numel())
+
+
+# Whether a BalancedDistributedSampler was iterated in this process: a training rank that
+# then leaves its group while its peers still run collectives is told which samplers train
+# (see _runtime._sampler_hint).
+_balanced_iterated = False
+
+
+def balanced_iterated() -> bool:
+    """Whether a :class:`BalancedDistributedSampler` was iterated in this process."""
+    return _balanced_iterated
 
 
 # -- the lockstep split -------------------------------------------------------------------------

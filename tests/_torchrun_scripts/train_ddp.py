@@ -7,8 +7,10 @@ It snapshots the model and optimizer every ``SAVE_EVERY`` steps and resumes from
 snapshot when torchrun restarts it, as a plain DDP script would. Budgets come from the
 environment (``RESILIENT_DDP_OP_TIMEOUT``), not from the code.
 
-With ``--plain-init`` the group is created by torch's own ``init_process_group("gloo")``
-instead (``rd.ResilientDDP`` attaches to it): the restart trap of docs/torchrun.md.
+With ``--tutorial-port`` the script sets MASTER_ADDR and MASTER_PORT (12355) itself before
+init, as PyTorch's DDP tutorial does. With ``--plain-init`` the group is created by torch's
+own ``init_process_group("gloo")`` instead (``rd.ResilientDDP`` attaches to it): the restart
+trap of docs/torchrun.md.
 
 The one thing a user would not write is the fault: with ``FAULT`` (``hang``, ``raise`` or
 ``kill``), ``FAULT_RANK`` and ``FAULT_STEP`` set, that rank stops (sleeps in its training
@@ -62,10 +64,18 @@ def maybe_fail(step: int, rank: int) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     snapshot = out / "snapshot.pt"
-    if "--plain-init" in sys.argv:
-        torch.distributed.init_process_group("gloo")
-    else:
-        rd.init_process_group()  # was: torch.distributed.init_process_group("gloo")
+    if "--tutorial-port" in sys.argv:
+        # As PyTorch's DDP tutorial's setup() does, which torchrun does not need.
+        os.environ["MASTER_ADDR"] = "localhost"
+        os.environ["MASTER_PORT"] = "12355"
+    t0 = time.monotonic()
+    try:
+        if "--plain-init" in sys.argv:
+            torch.distributed.init_process_group("gloo")
+        else:
+            rd.init_process_group()  # was: torch.distributed.init_process_group("gloo")
+    finally:
+        print(f"init ended after {time.monotonic() - t0:.3f} s", flush=True)
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     model = rd.ResilientDDP(nn.Linear(8, 1))  # was: DistributedDataParallel(nn.Linear(8, 1))

@@ -1,0 +1,68 @@
+"""Start-up as users' existing scripts write it (issue 30, item 7).
+
+PyTorch's DDP tutorial sets ``os.environ["MASTER_PORT"] = "12355"`` (and MASTER_ADDR) in the
+script. Under ``rd.spawn`` (here) or torchrun (tests/test_torchrun_mp.py), every rank then
+connects to a port where no one listens: start-up must name that line within seconds, not
+wait out ``init_timeout`` and blame rank 0. The same port set again must still work.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from resilient_ddp.testing import format_outcomes, run_ranks
+
+from . import _dropin_start_workers as w
+
+WORLD = 3
+DEADLINE_S = 60.0  # the job's own deadline, under pytest-timeout's 120 s
+NAMED_WITHIN_S = 10.0
+
+
+def _run(port: str | None) -> dict[int, Any]:
+    outcomes = run_ranks(w.tutorial_setup, WORLD, (port,), timeout=timedelta(seconds=DEADLINE_S))
+    for o in outcomes:
+        assert o.exitcode == 0, format_outcomes(outcomes)
+    return {o.rank: o.value for o in outcomes}
+
+
+def test_a_script_that_sets_another_master_port_is_told_to_remove_the_line() -> None:
+    values = _run("12355")
+    for rank, v in values.items():
+        assert v.get("type") == "PreflightError", (rank, v)
+        assert v["elapsed"] < NAMED_WITHIN_S, (rank, v)
+        (problem,) = v["problems"]
+        assert problem.startswith("the script sets MASTER_PORT=12355"), problem
+        assert "rd.spawn's rendezvous store is at 127.0.0.1:" in problem, problem
+        assert "remove os.environ['MASTER_PORT'] = ..." in problem, problem
+        assert "is rank 0 running" not in v["message"], v["message"]
+
+
+def test_a_script_that_sets_the_launchers_own_port_starts() -> None:
+    values = _run(None)
+    for rank, v in values.items():
+        assert v.get("ok") is True, (rank, v)
+
+
+def test_a_rank_that_trained_with_the_inference_sampler_and_left_is_told_why() -> None:
+    """Issue 30, item 8: ``BalancedDistributedSampler`` where a training loop had
+    ``DistributedSampler`` ends in "rank 1 left the group"; the error says which samplers
+    train."""
+    outcomes = run_ranks(w.uneven_training, WORLD, timeout=timedelta(seconds=DEADLINE_S))
+    values = {o.rank: o.value for o in outcomes}
+    assert values[1] == {"steps": 3}, format_outcomes(outcomes)
+    assert values[2] == {"steps": 3}, format_outcomes(outcomes)
+    v = values[0]
+    assert v is not None, format_outcomes(outcomes)
+    assert v.get("type") == "RankFailureError", format_outcomes(outcomes)
+    assert v["steps"] == 3, v
+    assert "left the group after op #" in v["message"], v["message"]
+    assert (
+        "HINT: it trained with rd.BalancedDistributedSampler, an inference sampler whose "
+        "shards are uneven" in v["message"]
+    ), v["message"]
+    assert (
+        "rd.LockstepBatchSampler, rd.ElasticBatchSampler or torch's DistributedSampler"
+        in (v["message"])
+    ), v["message"]
