@@ -72,3 +72,59 @@ def uneven_training(rank: int) -> dict[str, Any]:
     except rd.ResilientDDPError as e:
         return {**error_summary(e, t0), "steps": steps}
     return {"steps": steps}
+
+
+# The fast loop of issue 30, item 6: about 10 ms a step, rank KILL_RANK kills itself
+# (SIGKILL) at step KILL_STEP, right after its forward pass.
+STEP_S = 0.01
+KILL_RANK = 1
+KILL_STEP = 99
+
+
+def fast_loop_kill(rank: int) -> dict[str, Any]:
+    """Train steps of about ``STEP_S`` (the rest of each step after compute is spent in
+    the data phase, as a data loader would) until rank ``KILL_RANK`` kills itself after
+    the forward pass of step ``KILL_STEP``.
+
+    Returns:
+        On a survivor, the error's summary with the culprit's step, phase and
+        ``state_age`` (``culprit``), and the steps this rank completed.
+    """
+    import signal
+
+    import torch
+    from torch import nn
+
+    faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)
+    # The library's defaults (heartbeat every 0.5 s), with a shorter op timeout.
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(op_timeout=10))
+    torch.manual_seed(0)
+    model = rd.ResilientDDP(nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    step = 0
+    t0 = time.monotonic()
+    try:
+        for step in range(KILL_STEP + 50):
+            start = time.monotonic()
+            out = model(x)
+            if rank == KILL_RANK and step == KILL_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(max(0.0, STEP_S - (time.monotonic() - start)))  # the data phase
+    except rd.RankFailureError as e:
+        (culprit,) = e.culprits
+        return {
+            **error_summary(e, t0),
+            "completed": step,
+            "culprit": {
+                "rank": culprit.rank,
+                "step": culprit.step,
+                "phase": culprit.phase,
+                "state_age": culprit.state_age,
+                "what": culprit.what,
+            },
+        }
+    return {"completed": step}

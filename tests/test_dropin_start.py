@@ -66,3 +66,23 @@ def test_a_rank_that_trained_with_the_inference_sampler_and_left_is_told_why() -
         "rd.LockstepBatchSampler, rd.ElasticBatchSampler or torch's DistributedSampler"
         in (v["message"])
     ), v["message"]
+
+
+def test_a_rank_killed_in_a_fast_loop_is_named_in_the_step_and_phase_it_died_in() -> None:
+    """Issue 30, item 6: in a loop of about 10 ms a step, a rank SIGKILLed right after the
+    forward pass of step 99 was reported in step 91 or 97 (its last heartbeat, 0.1 s old).
+    On one host the culprit's board gives the step and phase it died in, exactly, and no
+    age."""
+    outcomes = run_ranks(w.fast_loop_kill, WORLD, timeout=timedelta(seconds=DEADLINE_S))
+    assert outcomes[w.KILL_RANK].exitcode == -9, format_outcomes(outcomes)
+    for rank in (0, 2):
+        v = outcomes[rank].value
+        assert isinstance(v, dict), format_outcomes(outcomes)
+        assert v.get("type") == "RankFailureError", format_outcomes(outcomes)
+        assert v["completed"] == w.KILL_STEP, v
+        c = v["culprit"]
+        assert (c["rank"], c["step"], c["phase"]) == (w.KILL_RANK, w.KILL_STEP, "forward"), v
+        assert c["state_age"] is not None, v
+        assert c["state_age"] < 0.05, v
+        assert f"[step {w.KILL_STEP}, phase 'forward', last op " in v["message"], v["message"]
+        assert "as of" not in v["message"], v["message"]

@@ -287,6 +287,34 @@ def test_a_script_that_sets_master_port_is_told_to_remove_the_line(tmp_path: Pat
     assert told >= 1, report
 
 
+@pytest.mark.torchrun
+def test_a_rank_killed_between_fast_steps_is_named_in_its_step(tmp_path: Path) -> None:
+    """Issue 30: train_ddp's steps take about a millisecond, so the last heartbeat of a
+    rank SIGKILLed at step 5 showed an earlier step. Its peers' watchdogs on its host read
+    its board: step 5, phase 'data' (it dies before its forward pass), and no age. (A
+    survivor that torchrun's SIGTERM reaches before it learnt of the death writes no
+    error; at least one does.)"""
+    job = run_torchrun(
+        tmp_path,
+        restarts=0,
+        env={"FAULT": "kill", "FAULT_RANK": "1", "FAULT_STEP": "5"},
+        deadline=60.0,
+    )
+    report = job.report()
+    assert job.returncode not in (0, None), report
+    named = [
+        error["message"]["message"]
+        for error in (job.error(0, rank) for rank in (0, 2))
+        if error is not None and "rank 1 (host" in error["message"]["message"]
+    ]
+    assert named, report
+    for message in named:
+        line = next(x for x in message.splitlines() if x.startswith("rank 1 (host"))
+        assert re.search(r"\) (died|was killed by SIGKILL)", line), report
+        assert "[step 5, phase 'data', last op ddp_bucket0#" in line, report
+        assert "as of" not in line, report
+
+
 # -- the error file, read by torch's own parser ---------------------------------------------
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _control as ctl
+from . import _runtime
 from .errors import RankOutcome, SpawnError
 
 # Sent by the launcher to a rank it is about to kill: faulthandler prints every thread's
@@ -181,6 +182,7 @@ class _Job:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.uids: list[int] = []  # member id of each slot's current process
+        self.pids: list[int] = []  # every process started, for their boards (see reap)
         self.previous: dict[int, list[RankOutcome]] = {}
         for rank in range(nprocs):
             self.procs.append(None)
@@ -213,6 +215,8 @@ class _Job:
         )
         p.start()
         send.close()
+        if p.pid is not None:
+            self.pids.append(p.pid)
         self.procs[rank] = p
         self.conns[rank] = recv
 
@@ -341,6 +345,8 @@ class _Job:
                 p.kill()
         for p in self.procs:
             p.join(5)
+        # The boards of processes that could not remove theirs (SIGKILL).
+        _runtime.remove_boards(self.pids)
         for rank, c in enumerate(self.conns):
             while not c.closed and c.poll(0):
                 _drain(c, rank, self.results)
@@ -416,6 +422,9 @@ def _report_death(control_root: dist.Store, rank: int, exitcode: int) -> None:
         if state.get("status") == "left":
             return
         info = control.read_infos([rank]).get(rank) if control.has_info(rank) else None
+        # What it was doing when it died, from its board: its last heartbeat may be a few
+        # steps behind in a fast loop.
+        state = _runtime.with_board(state, info)
         control.post_event(
             {
                 "kind": ctl.EV_CRASH,

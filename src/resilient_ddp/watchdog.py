@@ -28,7 +28,7 @@ from typing import Any
 
 from . import _control as ctl
 from . import _events
-from ._runtime import Runtime, qualname
+from ._runtime import Runtime, qualname, with_board
 from .errors import ControlPlaneError, Culprit
 
 __all__: list[str] = []
@@ -521,6 +521,8 @@ class Watchdog(threading.Thread):
             what = f"stopped sending heartbeats ({silence[r]:.1f} s without one)"
             if self.rt.is_stopped(r):
                 what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silence[r]:.1f} s"
+                # Stopped on this host: its board says what it was doing when it stopped.
+                states[r] = with_board(states[r], self.rt.infos.get(r))
             found.append((r, what))
             self._last_change[r] = (int(states[r].get("beat", 0)), float("inf"))  # report once
         if found:
@@ -589,6 +591,9 @@ class Watchdog(threading.Thread):
             state = self.control.read_states([r]).get(r) if self.control.has_state(r) else None
             if state is not None and state.get("status") == "left":
                 continue
+            # What it was doing when it died, from its board (its heartbeat may be a few
+            # steps behind in a fast loop).
+            state = with_board(state, info)
             self._report(ctl.EV_CRASH, r, f"died (process {info['pid']} is gone)", state)
 
     def _report(self, kind: str, r: int, what: str, state: dict[str, Any] | None) -> None:
