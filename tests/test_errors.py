@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import pickle
+from typing import TypeVar
 
 import pytest
 
 import resilient_ddp as rd
 
+T = TypeVar("T")
 
-def _roundtrip(obj: object) -> object:
+
+def _roundtrip(obj: T) -> T:
     """Pickle and unpickle, as rd.spawn does to send a rank's error to the launcher."""
-    return pickle.loads(pickle.dumps(obj))  # noqa: S301 - our own bytes
+    copy: T = pickle.loads(pickle.dumps(obj))  # noqa: S301 - our own bytes
+    return copy
 
 
 def _culprit() -> rd.Culprit:

@@ -64,7 +64,7 @@ from . import _elastic_protocol as proto
 from . import _events
 from ._elastic_protocol import ElasticParticipant
 from ._runtime import RECOVERY_PHASE, Runtime, phase
-from .errors import ControlPlaneError, RankFailureError
+from .errors import ControlPlaneError, RankFailureError, ResilientDDPError
 
 __all__ = ["ElasticParticipant", "register_elastic_participant"]
 
@@ -296,7 +296,11 @@ def _typed_store_errors(what: str) -> Callable[[_F], _F]:
                 return fn(*args, **kwargs)
             except ControlPlaneError as e:
                 cause = e.__cause__
-                if e.culprits or not isinstance(cause, (RuntimeError, OSError)):
+                if (
+                    e.culprits
+                    or isinstance(cause, ResilientDDPError)  # also a RuntimeError: ours
+                    or not isinstance(cause, (RuntimeError, OSError))
+                ):
                     raise  # not a store call that failed, or it names who it can already
                 rt = args[0] if args and isinstance(args[0], Runtime) else None
                 raise _store_error(rt, what, cause) from cause

@@ -2,17 +2,23 @@
 
 Every failure the library detects reaches every rank as a subclass of
 :class:`ResilientDDPError`; the backend's own exception, when there is one, is kept as
-``__cause__``. The tree::
+``__cause__``. Each error is also the exception a plain-torch program would have caught at
+that place (``torch.distributed``'s ``DistError`` family, all of them ``RuntimeError``; a timeout
+is also a ``TimeoutError``), so an ``except`` written for torch keeps catching. The tree::
 
     ResilientDDPError
     ├── ConfigError (ValueError)          a setting is invalid
-    ├── PreflightError                    ranks disagree before training starts
-    ├── RankFailureError                  one or more ranks crashed, raised, hung or left
-    │   ├── CollectiveTimeoutError (TimeoutError)
-    │   └── ControlPlaneError             the c10d store (control plane) is unreachable
-    ├── CollectiveMismatchError           ranks issued different collectives
-    ├── RetryBudgetExhaustedError         every allowed attempt failed
-    └── SpawnError                        a process launched by ``rd.spawn`` failed
+    ├── PreflightError (DistError)                 ranks disagree before training starts
+    ├── RankFailureError (DistBackendError)        ranks crashed, raised, hung or left
+    │   ├── CollectiveTimeoutError (TimeoutError)  late ranks, a stalled op
+    │   └── ControlPlaneError (DistStoreError)     the c10d store is unreachable
+    ├── CollectiveMismatchError (DistError)        ranks issued different collectives
+    ├── RetryBudgetExhaustedError (DistError)      every allowed attempt failed
+    └── SpawnError (ProcessRaisedException, ProcessExitedException)  an rd.spawn process failed
+
+``DistError``, ``DistBackendError`` and ``DistStoreError`` are ``torch.distributed``'s (on a
+torch built without them, stand-ins deriving from ``RuntimeError``); the two ``Process*``
+classes are ``torch.multiprocessing``'s, which ``torch.multiprocessing.spawn`` raises.
 
 Catch :class:`RankFailureError` to handle "a peer is gone or stuck", or
 :class:`ResilientDDPError` for anything the library raises.
@@ -20,9 +26,12 @@ Catch :class:`RankFailureError` to handle "a peer is gone or stuck", or
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 __all__ = [
     "CollectiveMismatchError",
@@ -37,6 +46,36 @@ __all__ = [
     "RetryBudgetExhaustedError",
     "SpawnError",
 ]
+
+
+def _torch_error_types() -> tuple[type[RuntimeError], type[RuntimeError], type[RuntimeError]]:
+    """``torch.distributed``'s ``DistError``, ``DistBackendError`` and ``DistStoreError``;
+    on a torch built without them, stand-ins of the same shape deriving from ``RuntimeError``
+    (nothing raises torch's there, and ``except RuntimeError`` still catches ours)."""
+    try:
+        import torch.distributed as dist
+
+        return dist.DistError, dist.DistBackendError, dist.DistStoreError
+    except (ImportError, AttributeError):
+
+        class DistError(RuntimeError):
+            """Stand-in for ``torch.distributed.DistError``."""
+
+        class DistBackendError(DistError):
+            """Stand-in for ``torch.distributed.DistBackendError``."""
+
+        class DistStoreError(DistError):
+            """Stand-in for ``torch.distributed.DistStoreError``."""
+
+        return DistError, DistBackendError, DistStoreError
+
+
+if TYPE_CHECKING:
+    from torch.distributed import DistBackendError as _DistBackendError
+    from torch.distributed import DistError as _DistError
+    from torch.distributed import DistStoreError as _DistStoreError
+else:
+    _DistError, _DistBackendError, _DistStoreError = _torch_error_types()
 
 
 class ResilientDDPError(Exception):
@@ -133,8 +172,12 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.rstrip("\n").splitlines())
 
 
-class RankFailureError(ResilientDDPError):
+class RankFailureError(ResilientDDPError, _DistBackendError):
     """Raised on every rank when one or more ranks crashed, raised, hung or left the group.
+
+    Also a ``torch.distributed.DistBackendError`` (so a ``DistError`` and a
+    ``RuntimeError``): what torch raises from a collective whose peer died or timed out, so
+    an ``except RuntimeError`` around a collective catches it as it caught torch's error.
 
     Attributes:
         culprits: What is known of each failed rank, root cause first.
@@ -208,25 +251,32 @@ def _rebuild_error(
     return cls(message, culprits=culprits, op=op, seq=seq, generation=generation)
 
 
-class ControlPlaneError(RankFailureError):
+class ControlPlaneError(RankFailureError, _DistStoreError):
     """Raised when the c10d store that carries heartbeats and failure reports is unreachable.
 
     The store must outlive every rank; when its host dies (the launcher, torchrun's agent,
     or rank 0 when it hosts the store) the job cannot coordinate any more and this error is
-    fatal. It is a :class:`RankFailureError`, so one ``except`` covers "the group is gone".
+    fatal. It is a :class:`RankFailureError`, so one ``except`` covers "the group is gone",
+    and also a ``torch.distributed.DistStoreError``, what torch raises when its store fails.
     """
 
 
 class CollectiveTimeoutError(RankFailureError, TimeoutError):
     """Raised when a collective did not complete within its timeout or budget.
 
+    Also a ``TimeoutError`` (and, as a :class:`RankFailureError`, a ``DistBackendError``
+    and a ``RuntimeError``: torch's gloo reports a timed-out wait as one).
+
     ``culprits`` lists the ranks that never arrived or stopped responding, with where their
     main thread was; it is empty when every rank arrived and the data plane itself stalled.
     """
 
 
-class CollectiveMismatchError(ResilientDDPError):
+class CollectiveMismatchError(ResilientDDPError, _DistError):
     """Raised on every rank when ranks issued different collectives (op, shape, dtype, seq).
+
+    Also a ``torch.distributed.DistError`` (so a ``RuntimeError``), as torch's own
+    collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) raise a ``RuntimeError``.
 
     Attributes:
         table: Per-rank signature of the collective each rank issued.
@@ -269,8 +319,17 @@ def _rebuild_mismatch(
     return CollectiveMismatchError(message, table=table, ranks=ranks, op=op, seq=seq)
 
 
-class PreflightError(ResilientDDPError):
+class PreflightError(ResilientDDPError, _DistError):
     """Raised when ranks disagree before work starts (environment, parameters, devices).
+
+    Also a ``torch.distributed.DistError`` (so a ``RuntimeError``). Where torch fails at
+    start-up it raises a ``DistNetworkError`` (the store cannot be reached, its port is in
+    use), a ``DistStoreError`` (not every rank arrived) or, from ``DistributedDataParallel``'s
+    constructor, a plain ``RuntimeError`` (parameters differ across ranks). This error
+    reports all of those cases, so it is their common base: the ``except RuntimeError`` or
+    ``except DistError`` that a user writes around ``init_process_group`` catches it, while
+    a handler written for one of the narrower types (a port-in-use retry, say) is not handed
+    a problem it was not written for.
 
     Attributes:
         problems: One line per problem found, each naming the rank(s) involved.
@@ -298,8 +357,11 @@ def _rebuild_preflight(
     return PreflightError(message, problems=problems, table=table)
 
 
-class RetryBudgetExhaustedError(ResilientDDPError):
+class RetryBudgetExhaustedError(ResilientDDPError, _DistError):
     """Raised when every attempt allowed by the retry policy or the total budget failed.
+
+    Also a ``torch.distributed.DistError`` (so a ``RuntimeError``), which torch raises for
+    a collective that fails.
 
     Attributes:
         attempts: Number of attempts made.
@@ -315,6 +377,15 @@ class RetryBudgetExhaustedError(ResilientDDPError):
     def reraise(self) -> None:
         """Raise the last attempt's exception."""
         raise self.last_attempt
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_exhausted, (str(self), self.attempts, self.last_attempt))
+
+
+def _rebuild_exhausted(
+    message: str, attempts: int, last_attempt: BaseException
+) -> RetryBudgetExhaustedError:
+    return RetryBudgetExhaustedError(message, attempts=attempts, last_attempt=last_attempt)
 
 
 @dataclass(frozen=True)
@@ -349,16 +420,36 @@ class RankOutcome:
         return self.exitcode == 0 and self.exc_type is None
 
 
-class SpawnError(ResilientDDPError):
+class SpawnError(ResilientDDPError, ProcessRaisedException, ProcessExitedException):
     """Raised by :func:`resilient_ddp.spawn` when a process raised, died or overran the deadline.
+
+    Also both exceptions that ``torch.multiprocessing.spawn`` raises in these cases,
+    ``ProcessRaisedException`` (a process raised) and ``ProcessExitedException`` (a process
+    exited non-zero or was killed), with their attributes, taken from the first failed
+    rank: code written around ``mp.spawn`` keeps catching when it calls ``rd.spawn``
+    instead. Unlike torch's, it is not a ``RuntimeError``: neither of those is.
 
     Attributes:
         outcomes: How every process ended, indexed by rank.
+        msg: The message (as torch's ``ProcessException``).
+        error_index: The first failed rank (-1 when none is recorded).
+        error_pid: 0: ``rd.spawn`` does not record process ids (see ``outcomes``).
+        exit_code: That rank's exit code; ``-9`` (SIGKILL) when the launcher killed it.
+        signal_name: The signal that ended it (``"SIGKILL"``), or ``None``.
     """
 
     def __init__(self, message: str, *, outcomes: Sequence[RankOutcome]) -> None:
-        super().__init__(message)
+        Exception.__init__(self, message)
         self.outcomes: tuple[RankOutcome, ...] = tuple(outcomes)
+        first = next((o for o in self.outcomes if not o.ok), None)
+        code = first.exitcode if first is not None else 0
+        if code is None:  # the launcher killed it (RankOutcome.exitcode)
+            code = -int(signal.SIGKILL)
+        self.msg = message
+        self.error_index = first.rank if first is not None else -1
+        self.error_pid = 0
+        self.exit_code = code
+        self.signal_name = _signal_name(-code) if code < 0 else None
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:
@@ -370,3 +461,10 @@ class SpawnError(ResilientDDPError):
     @staticmethod
     def _rebuild(message: str, outcomes: tuple[RankOutcome, ...]) -> SpawnError:
         return SpawnError(message, outcomes=outcomes)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
