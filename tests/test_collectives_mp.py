@@ -13,12 +13,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
+from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
+import resilient_ddp as rd
+from resilient_ddp import collectives
+from resilient_ddp.collectives import Op, _call_op, _seconds
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _workers as w
@@ -258,3 +265,187 @@ def test_under_real_torchrun(tmp_path: Path) -> None:
         assert err["type"] == "CollectiveTimeoutError", err
         assert err["ranks"] == [2]
         assert "slow_data_loader" in err["stacks"][0]
+
+
+# -- a call's timeout= bounds the call (issue 30, item 2) ----------------------------------------
+# No op_timeout here: the config's default (60 s) must not matter to a call given timeout=.
+SLOW_PEER = {"heartbeat_interval": 0.2, "heartbeat_timeout": 4.0}
+CALL_TIMEOUT_S = 2.0
+
+
+def timeout_bounds_the_call(rank: int, late: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """Two ops: with ``budget=``, a peer 2.5 s late is waited for past ``timeout=`` (the
+    advanced knob); with ``timeout=`` alone, a peer 12 s late (6x the timeout) fails the
+    call at the timeout, caught by the ``except TimeoutError`` a torch user writes."""
+    w._init(cfg_kwargs)
+    out: dict[str, Any] = {}
+    t = torch.full((3,), float(rank + 1))
+    if rank == late:
+        time.sleep(2.5)
+    out["with_budget"] = rd.all_reduce(t, timeout=1.0, budget=10.0).tolist()
+    if rank == late:
+        try:
+            with rd.phase("data"):
+                w.slow_data_loader(12.0)
+        except rd.ResilientDDPError as e:  # the peers' verdict, raised in this sleep
+            out["told"] = type(e).__name__
+        finally:
+            rd.destroy_process_group()
+        return out
+    t0 = time.monotonic()
+    try:
+        rd.all_reduce(torch.ones(1), timeout=timedelta(seconds=CALL_TIMEOUT_S))
+        out["error"] = None
+    except TimeoutError as e:
+        out["error"] = w.error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+    return out
+
+
+def test_a_calls_timeout_bounds_the_whole_call() -> None:
+    outcomes = _run(timeout_bounds_the_call, 3, 2, SLOW_PEER, grace=15.0)
+    values = _values(outcomes, [0, 1, 2])
+    report = format_outcomes(outcomes)
+    for r in (0, 1):
+        v = values[r]
+        assert v["with_budget"] == [6.0, 6.0, 6.0], (r, v)
+        err = v["error"]
+        assert err is not None, (r, report)
+        assert err["type"] == "CollectiveTimeoutError", err
+        assert err["ranks"] == [2], err["message"]
+        # Never before the timeout the caller gave; at about it, generous for a loaded
+        # machine (the peer came 12 s late, the config's op_timeout is 60 s).
+        assert CALL_TIMEOUT_S - 0.05 <= err["elapsed"] < 8.0, (r, err["elapsed"], err["message"])
+        assert "timeout=2 s" in err["message"], err["message"]
+    assert values[2]["with_budget"] == [6.0, 6.0, 6.0]
+
+
+def busy_section_and_timeout(rank: int, busy: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """Rank ``busy`` is in a section with a 30 s budget for 10 s; the others' barrier with
+    ``timeout=`` is not extended by that budget (without ``timeout=`` it would be)."""
+    w._init(cfg_kwargs)
+    rd.barrier()
+    if rank == busy:
+        try:
+            with rd.section("checkpoint save", budget=timedelta(seconds=30)):
+                time.sleep(10.0)
+        except rd.ResilientDDPError as e:
+            return {"told": type(e).__name__}
+        finally:
+            rd.destroy_process_group()
+        return {"told": None}
+    t0 = time.monotonic()
+    try:
+        rd.barrier(timeout=CALL_TIMEOUT_S)
+    except rd.CollectiveTimeoutError as e:
+        return w.error_summary(e, t0)
+    finally:
+        rd.destroy_process_group()
+    return "no error"
+
+
+def test_a_calls_timeout_is_not_extended_by_a_busy_section() -> None:
+    outcomes = _run(busy_section_and_timeout, 3, 2, SLOW_PEER, grace=15.0)
+    values = _values(outcomes, [0, 1])
+    for r, v in values.items():
+        assert isinstance(v, dict), (r, v, format_outcomes(outcomes))
+        assert v["ranks"] == [2], v["message"]
+        assert "checkpoint save" in v["message"], v["message"]
+        assert CALL_TIMEOUT_S - 0.05 <= v["elapsed"] < 8.0, (r, v["elapsed"], v["message"])
+
+
+# -- timeout= and budget= parsing (unit) -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (timedelta(seconds=2), 2.0),
+        (2, 2.0),
+        (0.5, 0.5),
+        (Fraction(1, 4), 0.25),
+        (timedelta(milliseconds=2), 0.002),
+        (timedelta.max, timedelta.max.total_seconds()),
+        (None, 60.0),  # the default given
+    ],
+)
+def test_a_duration_argument_is_read_in_seconds(value: Any, seconds: float) -> None:
+    assert _seconds("timeout", value, timedelta(seconds=60)) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (0, "must be positive"),
+        (-1, "must be positive"),
+        (timedelta(0), "must be positive"),
+        (timedelta(seconds=-5), "must be positive"),
+        (0.001, "at least 2 ms"),
+        (float("nan"), "is not a number"),
+        (float("inf"), "must be finite"),
+        (float("-inf"), "must be positive"),
+        (1e300, "must be finite"),
+        (10**400, "must be finite"),  # beyond a float: OverflowError inside
+        ("5", "should be a timedelta or a number of seconds"),
+        ("5s", "should be a timedelta or a number of seconds"),
+        (b"5", "should be a timedelta or a number of seconds"),
+        (True, "should be a timedelta or a number of seconds"),
+        ([5], "should be a timedelta or a number of seconds"),
+        (torch.tensor(5.0), "should be a timedelta or a number of seconds"),
+    ],
+)
+def test_an_invalid_duration_argument_is_a_config_error(value: Any, says: str) -> None:
+    with pytest.raises(rd.ConfigError, match=says):
+        _seconds("timeout", value, timedelta(seconds=60))
+
+
+@pytest.fixture
+def stand_in_runtime(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """What :class:`Op`'s constructor reads of the runtime (default config, 1 s diagnosis)."""
+    rt = SimpleNamespace(
+        config=rd.ResilienceConfig(), _diagnosis_window=lambda: 1.0, begin_op=lambda _name: 1
+    )
+    monkeypatch.setattr(collectives, "ensure_runtime", lambda: rt)
+    return rt
+
+
+def _bounds(o: Op) -> tuple[bool, float, float]:
+    """Whether ``timeout`` bounds the op, one attempt's timeout, and the whole bound (s)."""
+    return o.bounds_call, o.attempt_s, round(o.deadline - o.start, 6)
+
+
+def test_which_arguments_bound_the_call(stand_in_runtime: SimpleNamespace) -> None:
+    # timeout= alone: the whole call; retries share it; the last diagnosis ends by it.
+    o = _call_op("all_reduce", None, 2.0, None, None, None)
+    assert _bounds(o) == (True, 2.0, 2.0)
+    assert o._lead == 1.0
+    o = _call_op("all_reduce", None, 2.0, None, rd.RetryPolicy(attempts=4), None)
+    assert _bounds(o) == (True, 0.5, 2.0)
+    assert o._lead == 0.25
+    # budget= (advanced): timeout= is one attempt, budget= the total.
+    assert _bounds(_call_op("barrier", None, 1.0, 8.0, None, None)) == (
+        False,
+        1.0,
+        8.0,
+    )
+    with pytest.raises(rd.ConfigError, match=r"budget .* must be at least the timeout"):
+        _call_op("barrier", None, 5.0, 2.0, None, None)
+    # Neither: the config's op_timeout per attempt and op_budget (= op_timeout) in all.
+    assert _bounds(_call_op("barrier", None, None, None, None, None)) == (
+        False,
+        60.0,
+        60.0,
+    )
+
+
+def test_library_internal_ops_keep_their_bounds(stand_in_runtime: SimpleNamespace) -> None:
+    """The streaming ops pass their per-piece ``timeout`` alone, DDP's buckets the config's
+    timeout and budget: neither is bounded by its timeout as a whole."""
+    cfg = stand_in_runtime.config
+    assert _bounds(Op("gather_to_rank0", timeout=5.0, retry=1)) == (False, 5.0, 60.0)
+    assert _bounds(Op("send_state_dict", timeout=120.0, retry=1)) == (
+        False,
+        120.0,
+        120.0,
+    )
+    bucket = Op("ddp_bucket0", timeout=cfg.op_timeout, budget=cfg.effective_op_budget, retry=1)
+    assert _bounds(bucket) == (False, 60.0, 60.0)

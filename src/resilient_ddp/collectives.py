@@ -1,12 +1,18 @@
 """Timeout-aware collectives that raise typed errors naming the culprit ranks.
 
 Each function mirrors its :mod:`torch.distributed` namesake and adds keyword-only
-``timeout`` (one attempt), ``budget`` (total) and ``retry`` (attempts). Waiting never
-re-issues an op on one rank alone (with gloo, that pairs it with a peer's late call and
-corrupts data silently). Instead:
+``timeout``, ``budget`` and ``retry`` (attempts). **A call's ``timeout`` bounds the whole
+call**, retries included: by then it has returned or raised (a
+:class:`CollectiveTimeoutError` naming the late ranks). Without ``timeout`` the call is
+bounded by the config's ``op_budget`` (``op_timeout`` when unset). ``budget`` is the
+advanced knob: given with it, ``timeout`` is only how long each attempt waits before the
+late ranks are diagnosed, and ``budget`` is the total, within which a late rank that is
+alive (or busy in an :func:`resilient_ddp.section`) is waited for. Waiting never re-issues
+an op on one rank alone (with gloo, that pairs it with a peer's late call and corrupts data
+silently). Instead:
 
 1. while the late ranks are alive, the rank keeps waiting on the *same* work handle, slice
-   by slice, until the budget is spent;
+   by slice, until the bound (or budget) is spent;
 2. when every rank arrived but the op still cannot complete (a stalled data plane, a
    backend error with every rank alive), and ``retry`` allows, the ranks agree through the
    store, rebuild the group as a new generation, restore in-place inputs and redo the op.
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -67,12 +75,40 @@ class _TransientError(Exception):
     """An attempt failed with every rank alive and arrived: a group retry may fix it."""
 
 
+_MAX_SECONDS = timedelta.max.total_seconds()  # longer: no timedelta (nor deadline) holds it
+
+
 def _seconds(name: str, value: Duration, default: timedelta) -> float:
+    """``value`` (a timedelta, or seconds as a real number) in seconds; ``default`` when
+    ``None``.
+
+    Raises:
+        ConfigError: ``value`` is of another type (a string, a bool), not a finite number
+            (NaN, infinity, too large for a timedelta), not positive, or below 2 ms.
+    """
     if value is None:
         return default.total_seconds()
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond a float's range
+            seconds = math.inf
+    else:
+        raise ConfigError(
+            f"The {name} should be a timedelta or a number of seconds, "
+            f"got {type(value).__name__} {value!r}."
+        )
+    if math.isnan(seconds):
+        raise ConfigError(f"The {name} ({value}) is not a number.")
     if seconds <= 0:
         raise ConfigError(f"The {name} ({value}) must be positive.")
+    if seconds > _MAX_SECONDS:
+        raise ConfigError(
+            f"The {name} ({value}) must be finite and at most {timedelta.max} "
+            f"({_MAX_SECONDS:.0f} s)."
+        )
     if seconds < _MIN_SLICE_S:
         raise ConfigError(f"The {name} ({value}) must be at least {_MIN_SLICE_S * 1000:.0f} ms.")
     return seconds
@@ -146,6 +182,13 @@ class Op:
     come from the runtime's config; ``retry`` then means one attempt on a group other than
     the default one.
 
+    With ``bounds_call`` (the public collectives' ``timeout=`` given without ``budget=``),
+    ``timeout`` is the total instead: ``deadline`` is ``start + timeout`` and nothing
+    extends it (no :func:`resilient_ddp.section` extension), each attempt gets an equal
+    share of it, and the last diagnosis of the late ranks starts early enough to end by the
+    deadline (``_lead``, at most half the attempt), so the op raises at about its timeout.
+    Library-internal callers (DDP's buckets, the streaming ops) leave it off.
+
     **Running it.** :meth:`run` validates (see :meth:`_validate`), calls ``body`` (which
     issues backend work and waits for it with the strategies below), turns a transient
     failure into a group retry within the budget, and ends the op. An op waited for
@@ -173,9 +216,9 @@ class Op:
     holds it until its group is retired.
 
     Raises:
-        ConfigError: From the constructor: a timeout or budget that is not positive or
-            below the shortest one, a bad ``retry``, or retries on a group other than the
-            default one.
+        ConfigError: From the constructor: a timeout or budget that is not a positive,
+            finite duration of at least 2 ms, a budget given below the timeout given, a bad
+            ``retry``, or retries on a group other than the default one.
         RankFailureError: From construction (a failure is already known) and from every
             wait: a peer crashed, raised, left or stopped; names it (a watchdog verdict
             when it has one).
@@ -198,6 +241,7 @@ class Op:
         budget: Duration = None,
         retry: RetryArg = None,
         validate: bool | None = None,
+        bounds_call: bool = False,
     ) -> None:
         rt = ensure_runtime()
         cfg = rt.config
@@ -209,12 +253,29 @@ class Op:
             retry = 1  # the config's retry policy applies to the default group only
         self.policy = _policy(retry, cfg.retry)
         attempts = self.policy.attempts if isinstance(self.policy, RetryPolicy) else 0
-        if budget is None and cfg.op_budget is None and attempts > 1:
-            # Room for every attempt the policy allows, and the pauses between them.
-            assert isinstance(self.policy, RetryPolicy)
-            budget = (self.attempt_s + self.policy.max_backoff.total_seconds()) * attempts
-        budget_s = _seconds("budget", budget, cfg.effective_op_budget)
-        self.budget_s = max(budget_s, self.attempt_s)
+        self.bounds_call = bounds_call
+        self._lead = 0.0  # bounds_call: how long before the deadline the last diagnosis starts
+        self._final: list[dict[str, Any]] | None = None  # bounds_call: raise these at the end
+        if bounds_call:
+            if timeout is None or budget is not None:
+                raise ConfigError("bounds_call takes a timeout and no budget")
+            # The timeout bounds the op: every attempt, pause and regroup fits inside it.
+            self.budget_s = self.attempt_s
+            if attempts > 1:
+                self.attempt_s = max(_MIN_SLICE_S, self.budget_s / attempts)
+            self._lead = min(rt._diagnosis_window(), self.attempt_s / 2)
+        else:
+            if budget is None and cfg.op_budget is None and attempts > 1:
+                # Room for every attempt the policy allows, and the pauses between them.
+                assert isinstance(self.policy, RetryPolicy)
+                budget = (self.attempt_s + self.policy.max_backoff.total_seconds()) * attempts
+            budget_s = _seconds("budget", budget, cfg.effective_op_budget)
+            if timeout is not None and budget is not None and budget_s < self.attempt_s:
+                raise ConfigError(
+                    f"The budget ({budget}) must be at least the timeout ({timeout}): the "
+                    "budget is the call's total, the timeout one attempt within it."
+                )
+            self.budget_s = max(budget_s, self.attempt_s)
         self.may_retry = attempts != 1
         if self.may_retry and group is not None:
             raise ConfigError(
@@ -472,7 +533,7 @@ class Op:
         """
         rt = self.rt
         try:
-            slice_end = time.monotonic() + self.attempt_s
+            slice_end = self._first_check()
             while True:
                 now = time.monotonic()
                 # Failures the watchdog records wake this wait at once; short naps also
@@ -495,7 +556,7 @@ class Op:
         rt = self.rt
         # A failure is noticed at the end of the current slice: keep slices short.
         slice_s = min(rt.config.heartbeat_interval.total_seconds(), _MAX_SLICE_S)
-        slice_end = time.monotonic() + self.attempt_s
+        slice_end = self._first_check()
         try:
             while True:
                 if rt.failed_for(self.seq):
@@ -519,6 +580,29 @@ class Op:
         finally:
             self.keep_stuck(work)
 
+    def _first_check(self) -> float:
+        """When a wait that begins now diagnoses the late ranks first (monotonic time): one
+        attempt's timeout later; with ``bounds_call``, no later than ``_lead`` before the
+        deadline, so that the diagnosis ends by it."""
+        self._final = None
+        now = time.monotonic()
+        if not self.bounds_call:
+            return now + self.attempt_s
+        return max(now, min(now + self.attempt_s, self.deadline - self._lead))
+
+    def _next_check(self, culprits: list[dict[str, Any]]) -> float:
+        """When to diagnose again, after a diagnosis found every late rank alive. With
+        ``bounds_call``, once no other diagnosis fits before the deadline, ``culprits`` are
+        the ones :meth:`_attempt_timed_out` raises at the deadline."""
+        now = time.monotonic()
+        if not self.bounds_call:
+            return now + self.attempt_s
+        last = self.deadline - self._lead
+        if now + _MIN_SLICE_S < last:
+            return min(now + self.attempt_s, last)
+        self._final = culprits
+        return self.deadline
+
     def _attempt_timed_out(self) -> float:
         """One attempt's timeout passed: diagnose the late ranks.
 
@@ -532,22 +616,35 @@ class Op:
             _TransientError: Every rank arrived, yet the op does not complete.
         """
         rt = self.rt
+        if self._final is not None:
+            # bounds_call: the deadline came after the last diagnosis, which found these.
+            culprits, self._final = self._final, None
+            if rt.failed_for(self.seq):
+                raise rt.build_error(self.name, self.seq)
+            self.raise_timeout(culprits)
         culprits = rt.diagnose(rt.control, self.name, self.seq)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq)
         if self._keep_waiting(culprits):
-            return time.monotonic() + self.attempt_s
+            return self._next_check(culprits)
         if not culprits and self.may_retry:
             raise _TransientError(f"{self.name}#{self.seq}: every rank arrived, no progress")
+        if self.bounds_call and time.monotonic() < self.deadline:
+            # The caller's timeout is not over (this diagnosis ran ahead of it): the op may
+            # still complete; if not, it raises these culprits at the deadline.
+            self._final = culprits
+            return self.deadline
         return self.raise_timeout(culprits)
 
     def _keep_waiting(self, culprits: list[dict[str, Any]]) -> bool:
         """Whether to wait on the same handle for another attempt timeout: the late ranks
-        are all alive and budget is left."""
+        are all alive and budget is left. Late ranks all busy in a section with a budget
+        extend the deadline to that budget's end, unless the caller's ``timeout`` bounds
+        the call (``bounds_call``)."""
         if not culprits or not all(c.get("alive", False) for c in culprits):
             return False
         busy = [float(c["busy_until"]) for c in culprits if c.get("busy_until") is not None]
-        if len(busy) == len(culprits):
+        if len(busy) == len(culprits) and not self.bounds_call:
             # Every late rank is inside a section with a budget (rd.section): busy, not
             # missing. Wait for it on the same handle until that budget ends; if it
             # overruns, its watchdog reports it and this wait fails at once.
@@ -634,8 +731,9 @@ class Op:
             # in distributed_inference: the slower survivor said "every rank arrived".
             self._raise_watchdog_verdict(None, past_deadline=True)
         waited = time.monotonic() - self.start
+        bound = f" (timeout={self.budget_s:g} s)" if self.bounds_call else ""
         self._post_and_raise(
-            CollectiveTimeoutError, culprits, f"timed out after {waited:.1f} s", cause=None
+            CollectiveTimeoutError, culprits, f"timed out after {waited:.1f} s{bound}", cause=None
         )
 
     def _post_and_raise(
@@ -726,6 +824,26 @@ def op_signature(op: str, t: torch.Tensor | None = None, **extra: Any) -> dict[s
 
 
 # -- the collectives ---------------------------------------------------------------------------
+def _call_op(
+    name: str,
+    group: dist.ProcessGroup | None,
+    timeout: Duration,
+    budget: Duration,
+    retry: RetryArg,
+    validate: bool | None,
+) -> Op:
+    """The :class:`Op` of a public collective: ``timeout`` given alone bounds the call."""
+    return Op(
+        name,
+        group=group,
+        timeout=timeout,
+        budget=budget,
+        retry=retry,
+        validate=validate,
+        bounds_call=timeout is not None and budget is None,
+    )
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -742,15 +860,21 @@ def all_reduce(
         tensor: Input and output of the collective (modified in place).
         op: Reduction, as in torch (default ``SUM``).
         group: Process group (default: the world).
-        timeout: One attempt's wait before the late ranks are diagnosed (timedelta or
-            seconds; default ``config.op_timeout``).
-        budget: Total time including waiting longer on alive late ranks and retries
-            (default ``config.op_budget``).
+        timeout: The bound on the whole call, retries included (timedelta or seconds):
+            by then the call has returned or raised :class:`CollectiveTimeoutError` naming
+            the late ranks. With retries (an int or a :class:`RetryPolicy`), each attempt
+            gets an equal share of it. Default: the config's ``op_budget`` (``op_timeout``,
+            60 s, when unset) bounds the call, and an attempt waits ``op_timeout``.
+        budget: Advanced. The call's total (timedelta or seconds), at least ``timeout``:
+            ``timeout`` then is only how long an attempt waits before the late ranks are
+            diagnosed; a late rank that is alive is waited for on until ``budget`` (and
+            while it is busy in a :func:`resilient_ddp.section` with a longer budget).
+            Default: ``config.op_budget``; with attempts and no budget in the config,
+            room for every attempt.
         retry: Attempts (int), a :class:`RetryPolicy`, or a ``tenacity.Retrying`` whose
             ``stop`` and ``wait`` are used (its ``retry`` predicate is replaced: only a
             failure with every rank alive and arrived is retried). A retry is a group
-            decision and restores ``tensor`` to its input value first. With attempts and no
-            budget, the budget defaults to room for every attempt.
+            decision and restores ``tensor`` to its input value first.
         validate: Check op, shape and dtype across ranks first (default
             ``config.validate_collectives``, env ``RESILIENT_DDP_VALIDATE``).
 
@@ -758,15 +882,16 @@ def all_reduce(
         ``tensor``, holding the reduction.
 
     Raises:
+        ConfigError: ``timeout`` or ``budget`` is not a positive, finite duration of at
+            least 2 ms (NaN, infinity, a string, a bool), ``budget`` is below ``timeout``,
+            or ``retry`` is invalid.
         RankFailureError: A rank crashed, raised, left or stopped responding; names it.
-        CollectiveTimeoutError: The budget ran out; names the ranks that never arrived and
-            where their main thread is.
+        CollectiveTimeoutError: The timeout (or budget) ran out; names the ranks that never
+            arrived and where their main thread is.
         CollectiveMismatchError: With validation, ranks issued different collectives.
         RetryBudgetExhaustedError: Every allowed attempt failed.
     """
-    o = Op(
-        "all_reduce", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate
-    )
+    o = _call_op("all_reduce", group, timeout, budget, retry, validate)
 
     def body() -> torch.Tensor:
         o.wait(dist.all_reduce(tensor, op, group=o.group, async_op=True), cuda=tensor.is_cuda)
@@ -791,7 +916,7 @@ def broadcast(
 
     Args and Raises: as :func:`all_reduce`; ``src`` is the global rank that sends.
     """
-    o = Op("broadcast", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate)
+    o = _call_op("broadcast", group, timeout, budget, retry, validate)
 
     def body() -> torch.Tensor:
         o.wait(dist.broadcast(tensor, src, group=o.group, async_op=True), cuda=tensor.is_cuda)
@@ -815,7 +940,7 @@ def barrier(
     Args and Raises: as :func:`all_reduce`. Unlike torch's gloo ``monitored_barrier``, every
     rank (not only rank 0) learns which ranks never arrived.
     """
-    o = Op("barrier", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate)
+    o = _call_op("barrier", group, timeout, budget, retry, validate)
 
     def body() -> None:
         t = torch.zeros(1, device=comm_device(o.group))
@@ -846,9 +971,7 @@ def all_gather(
         CollectiveMismatchError: Ranks passed different dtypes (checked always).
         Others: as :func:`all_reduce`.
     """
-    o = Op(
-        "all_gather", group=group, timeout=timeout, budget=budget, retry=retry, validate=validate
-    )
+    o = _call_op("all_gather", group, timeout, budget, retry, validate)
     return o.run(
         lambda: _gather_uneven(o, tensor),
         signature=lambda: op_signature("all_gather", tensor.flatten()[:0]),
@@ -910,14 +1033,7 @@ def all_gather_object(
 
     Raises: as :func:`all_reduce`.
     """
-    o = Op(
-        "all_gather_object",
-        group=group,
-        timeout=timeout,
-        budget=budget,
-        retry=retry,
-        validate=validate,
-    )
+    o = _call_op("all_gather_object", group, timeout, budget, retry, validate)
     payload = dumps(obj)
 
     def body() -> list[Any]:
@@ -948,14 +1064,7 @@ def broadcast_object(
 
     Raises: as :func:`all_reduce`.
     """
-    o = Op(
-        "broadcast_object",
-        group=group,
-        timeout=timeout,
-        budget=budget,
-        retry=retry,
-        validate=validate,
-    )
+    o = _call_op("broadcast_object", group, timeout, budget, retry, validate)
     device = comm_device(group)
     is_src = dist.get_rank() == src
     payload = dumps(obj).to(device) if is_src else None
