@@ -1190,18 +1190,21 @@ class _Board:
         if os.getpid() != self._pid:
             return  # a forked child (a data loader worker) is not this rank
         self._count += 1
-        self.RECORD.pack_into(
-            self._map,
-            0,
-            self._count,
-            step,
-            seq,
-            time.time(),
-            in_op,
-            phase.encode(errors="replace")[:_TEXT],
-            op.encode(errors="replace")[:_TEXT],
-            self._count,
-        )
+        try:  # noqa: SIM105 - on every change: contextlib.suppress would double the cost
+            self.RECORD.pack_into(
+                self._map,
+                0,
+                self._count,
+                step,
+                seq,
+                time.time(),
+                in_op,
+                phase.encode(errors="replace")[:_TEXT],
+                op.encode(errors="replace")[:_TEXT],
+                self._count,
+            )
+        except (ValueError, TypeError):
+            pass  # closed at exit (atexit) while a thread still runs: nothing to tell
 
     def close(self) -> None:
         """Remove the board (this process ends)."""
@@ -1683,7 +1686,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
             name = signal.Signals(signum).name
             head = (
                 f"rank {rt.rank} (host {rt.identity['host']}) was ended by {name} from its "
-                f"launcher (in {rt.op or 'no collective'}, step {rt.step})"
+                f"launcher (in {rt.op or 'no collective'}"
+                f"{f', step {rt.step}' if rt.step >= 0 else ''})"
             )
             raise rt.build_error(rt.op or "(no op)", max(rt.op_seq, 0), head=head)
         if rt.hosts_store and (rt.failures or rt.raised):
