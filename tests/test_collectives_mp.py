@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import resilient_ddp as rd
 from resilient_ddp import collectives
@@ -355,6 +356,38 @@ def test_a_calls_timeout_is_not_extended_by_a_busy_section() -> None:
         assert CALL_TIMEOUT_S - 0.05 <= v["elapsed"] < 8.0, (r, v["elapsed"], v["message"])
 
 
+def lost_every_time(rank: int, timeout_s: float, cfg_kwargs: dict[str, Any]) -> Any:
+    """Rank 1's all_reduce is lost in the data plane at every attempt, every rank alive:
+    ``retry=3`` redoes it as a group, and all the attempts must fit in ``timeout=``."""
+    w._init(cfg_kwargs)
+    real = dist.all_reduce
+    if rank == 1:
+        dist.all_reduce = lambda *a, **k: w._NeverCompletes()
+    t0 = time.monotonic()
+    try:
+        rd.all_reduce(torch.ones(3), timeout=timeout_s, retry=3)
+    except rd.ResilientDDPError as e:
+        summary = w.error_summary(e, t0)
+        summary["attempts"] = getattr(e, "attempts", 1)
+        return summary
+    finally:
+        dist.all_reduce = real
+        rd.destroy_process_group()
+    return "no error"
+
+
+def test_retries_fit_in_a_calls_timeout() -> None:
+    timeout_s = 4.0
+    outcomes = _run(lost_every_time, 2, timeout_s, SLOW_PEER, grace=15.0)
+    values = _values(outcomes, [0, 1])
+    for r, v in values.items():
+        assert isinstance(v, dict), (r, v, format_outcomes(outcomes))
+        assert v["type"] in ("RetryBudgetExhaustedError", "CollectiveTimeoutError"), v
+        assert v["elapsed"] < timeout_s + 3.0, (r, v["elapsed"], v["message"])
+    # At least one rank redid the op as a group before the timeout ran out.
+    assert max(v["attempts"] for v in values.values()) >= 2, values
+
+
 # -- timeout= and budget= parsing (unit) -------------------------------------------------------
 @pytest.mark.parametrize(
     ("value", "seconds"),
@@ -420,7 +453,8 @@ def test_which_arguments_bound_the_call(stand_in_runtime: SimpleNamespace) -> No
     assert o._lead == 1.0
     o = _call_op("all_reduce", None, 2.0, None, rd.RetryPolicy(attempts=4), None)
     assert _bounds(o) == (True, 0.5, 2.0)
-    assert o._lead == 0.25
+    assert o._lead == 1.0  # the last diagnosis, of whichever attempt, ends by the deadline
+    assert _call_op("barrier", None, 0.5, None, None, None)._lead == 0.25  # half the timeout
     # budget= (advanced): timeout= is one attempt, budget= the total.
     assert _bounds(_call_op("barrier", None, 1.0, 8.0, None, None)) == (
         False,

@@ -186,7 +186,7 @@ class Op:
     ``timeout`` is the total instead: ``deadline`` is ``start + timeout`` and nothing
     extends it (no :func:`resilient_ddp.section` extension), each attempt gets an equal
     share of it, and the last diagnosis of the late ranks starts early enough to end by the
-    deadline (``_lead``, at most half the attempt), so the op raises at about its timeout.
+    deadline (``_lead``, at most half the timeout), so the op raises at about its timeout.
     Library-internal callers (DDP's buckets, the streaming ops) leave it off.
 
     **Running it.** :meth:`run` validates (see :meth:`_validate`), calls ``body`` (which
@@ -263,7 +263,7 @@ class Op:
             self.budget_s = self.attempt_s
             if attempts > 1:
                 self.attempt_s = max(_MIN_SLICE_S, self.budget_s / attempts)
-            self._lead = min(rt._diagnosis_window(), self.attempt_s / 2)
+            self._lead = min(rt._diagnosis_window(), self.budget_s / 2)
         else:
             if budget is None and cfg.op_budget is None and attempts > 1:
                 # Room for every attempt the policy allows, and the pauses between them.
