@@ -81,10 +81,10 @@ KILL_RANK = 1
 KILL_STEP = 99
 
 
-def fast_loop_kill(rank: int) -> dict[str, Any]:
+def fast_loop_kill(rank: int, signum: int = 9) -> dict[str, Any]:
     """Train steps of about ``STEP_S`` (the rest of each step after compute is spent in
-    the data phase, as a data loader would) until rank ``KILL_RANK`` kills itself after
-    the forward pass of step ``KILL_STEP``.
+    the data phase, as a data loader would) until rank ``KILL_RANK`` sends itself
+    ``signum`` (SIGKILL, or SIGSTOP) after the forward pass of step ``KILL_STEP``.
 
     Returns:
         On a survivor, the error's summary with the culprit's step, phase and
@@ -96,8 +96,9 @@ def fast_loop_kill(rank: int) -> dict[str, Any]:
     from torch import nn
 
     faulthandler.dump_traceback_later(CHILD_DUMP_AFTER_S, exit=True)
-    # The library's defaults (heartbeat every 0.5 s), with a shorter op timeout.
-    rd.init_process_group("gloo", config=rd.ResilienceConfig(op_timeout=10))
+    # The library's defaults (heartbeat every 0.5 s), with a shorter op timeout (a
+    # stopped rank is named when it runs out).
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(op_timeout=3))
     torch.manual_seed(0)
     model = rd.ResilientDDP(nn.Linear(16, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -109,13 +110,13 @@ def fast_loop_kill(rank: int) -> dict[str, Any]:
             start = time.monotonic()
             out = model(x)
             if rank == KILL_RANK and step == KILL_STEP:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.Signals(signum))
             out.square().mean().backward()
             opt.step()
             opt.zero_grad()
             time.sleep(max(0.0, STEP_S - (time.monotonic() - start)))  # the data phase
-    except rd.RankFailureError as e:
-        (culprit,) = e.culprits
+    except rd.ResilientDDPError as e:
+        (culprit,) = getattr(e, "culprits", [])
         return {
             **error_summary(e, t0),
             "completed": step,

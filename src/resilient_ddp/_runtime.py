@@ -1028,14 +1028,18 @@ class Runtime:
         hb_timeout = self.config.heartbeat_timeout.total_seconds()
         for r in others:
             answered = r in answers
-            s = answers.get(r, states.get(r, {}))
+            s = beat = answers.get(r, states.get(r, {}))
+            info = self.infos.get(r, {})
+            stopped = not answered and self.is_stopped(r)
+            if stopped:
+                # Stopped on this host: its board has what it was doing when it stopped.
+                s = with_board(beat, info)
             if s.get("seq") == seq:
                 ops[r] = str(s.get("op"))
-            info = self.infos.get(r, {})
             verdict = dg.what_blocks(
                 s,
                 answered=answered,
-                stopped=not answered and self.is_stopped(r),
+                stopped=stopped,
                 name=name,
                 seq=seq,
                 now=time.time(),
@@ -1043,11 +1047,11 @@ class Runtime:
             )
             if verdict is not None:
                 verdicts[r] = verdict
-                fresh = time.time() - float(s.get("t", 0)) < hb_timeout
+                fresh = time.time() - float(beat.get("t", 0)) < hb_timeout
                 extra: dict[str, Any] = {}
-                if s.get("section_left") is not None:
+                if beat.get("section_left") is not None:
                     # Wall-clock end of its section's budget, as of its last heartbeat.
-                    extra["busy_until"] = float(s.get("t", 0)) + float(s["section_left"])
+                    extra["busy_until"] = float(beat.get("t", 0)) + float(beat["section_left"])
                 culprits.append(
                     ctl.culprit_from(
                         r,
