@@ -23,15 +23,26 @@ DEADLINE_S = 60.0  # the job's own deadline, under pytest-timeout's 120 s
 NAMED_WITHIN_S = 10.0
 
 
-def _run(port: str | None) -> dict[int, Any]:
-    outcomes = run_ranks(w.tutorial_setup, WORLD, (port,), timeout=timedelta(seconds=DEADLINE_S))
+def _run(port: str | None, start_method: str | None = None) -> dict[int, Any]:
+    outcomes = run_ranks(
+        w.tutorial_setup,
+        WORLD,
+        (port,),
+        timeout=timedelta(seconds=DEADLINE_S),
+        start_method=start_method,
+    )
     for o in outcomes:
         assert o.exitcode == 0, format_outcomes(outcomes)
     return {o.rank: o.value for o in outcomes}
 
 
-def test_a_script_that_sets_another_master_port_is_told_to_remove_the_line() -> None:
-    values = _run("12355")
+# The conftest's fork server (whose /proc/self/environ is the server's, not what rd.spawn
+# gave the rank), and fresh interpreters.
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_a_script_that_sets_another_master_port_is_told_to_remove_the_line(
+    start_method: str | None,
+) -> None:
+    values = _run("12355", start_method)
     for rank, v in values.items():
         assert v.get("type") == "PreflightError", (rank, v)
         assert v["elapsed"] < NAMED_WITHIN_S, (rank, v)
