@@ -120,12 +120,6 @@ def test_mismatched_parameters_raise_preflight_error_with_table() -> None:
         assert v["elapsed"] < 5.0
 
 
-def test_builtin_comm_hook_is_refused_with_a_hint() -> None:
-    values = _values(d.builtin_hook_refused, 2, ranks=[0, 1])
-    for v in values.values():
-        assert "HINT" in v
-
-
 def test_section_budget_overrun_is_named_on_every_rank() -> None:
     values = _values(d.section_overrun, 3, ranks=[0, 1, 2])
     for r in (0, 2):
@@ -168,14 +162,14 @@ def test_copies_behave_as_ddps_copies() -> None:
 
 
 def test_a_rank_dying_between_steps_is_named_in_its_new_step() -> None:
-    """The step boundary publishes a heartbeat at once: a rank killed at the start of step
-    3, well within one heartbeat interval of finishing step 2, is reported in step 3 and
-    phase 'data', not with what its last regular beat said (step 2, or earlier)."""
+    """A rank killed at the start of step 3, well within one heartbeat interval of
+    finishing step 2, is reported in step 3 and phase 'data', not with what its last
+    regular beat said (step 2, or earlier). On its host a peer reads the culprit's board
+    (rewritten at every change), so the report shows no age."""
     cfg = {"heartbeat_interval": 2.0, "heartbeat_timeout": 10.0, "op_timeout": 5.0}
     pause = 0.5
     values = _values(d.dies_between_steps, 2, cfg, 3, pause, ranks=[0])
     [culprit] = values[0]
     assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, 3, "data"), culprit
-    # Published at the boundary, before the pause that preceded the death: the report
-    # says how old it is.
-    assert culprit["age"] >= pause - 0.1, culprit
+    # Read from the board at the death, not from a heartbeat published before the pause.
+    assert not culprit["age"], culprit  # None or 0.0: shown without an age

@@ -1496,6 +1496,8 @@ def hard_exit(code: int) -> None:
 
 
 def _is_backend_error(exc: BaseException) -> bool:
+    if isinstance(exc, ResilientDDPError):
+        return False  # ours are DistErrors too (drop-in), but never a backend's
     dist_error = getattr(torch.distributed, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):
         return True
