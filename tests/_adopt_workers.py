@@ -146,8 +146,9 @@ def _adopt_then_kill(model: Any, rank: int, where: str, culprit: int) -> None:
     survivors = [r for r in range(dist.get_world_size()) if r != culprit]
     rd.make_resilient(model)
     if where == "mid_step":
-
-        def signal_then_allreduce(state: Any, bucket: dist.GradBucket) -> Any:
+        # No annotations: DDP checks a hook's with inspect, and under `from __future__
+        # import annotations` they are strings, which it refuses (ValueError).
+        def signal_then_allreduce(state, bucket):  # type: ignore[no-untyped-def]
             # Called by the library's hook once the bucket's op began.
             store.set(f"test/reducing{rank}", "1")
             return default_hooks.allreduce_hook(state, bucket)

@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -339,18 +338,6 @@ def mismatched_params(rank: int) -> Any:
     finally:
         rd.destroy_process_group()
     return "no error"
-
-
-def builtin_hook_refused(rank: int) -> Any:
-    _init()
-    model = rd.ResilientDDP(make_model())
-    try:
-        model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
-    except rd.ConfigError as e:
-        return str(e)
-    finally:
-        rd.destroy_process_group()
-    return "accepted"
 
 
 def section_overrun(rank: int) -> Any:

@@ -29,11 +29,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
@@ -87,6 +88,8 @@ _LOCAL_STATE = (
     "_rd_bucket_sync_due",
     "_rd_bucket_thread",
     "_rd_beat_at",
+    "_rd_join_work",
+    "_rd_div",
 )
 # Reducers (with DDP's logger) whose bucket exchange is still stuck in the backend; see
 # ResilientDDP._rd_rebuild_reducer.
@@ -143,6 +146,17 @@ class ResilientDDP(DistributedDataParallel):
     required, and the copy gets a new reducer on the default group of the process that
     loads it. A comm hook registered with :meth:`register_comm_hook` is not carried over
     (DDP's reducer holds it); register it again on the copy.
+
+    **Comm hooks and join.** :meth:`register_comm_hook` and ``_register_builtin_comm_hook``
+    check, refuse and log as DDP's do (the same exception types and messages, the same
+    ``_get_ddp_logging_data()``); the hooks run inside the library's own, so their waits are
+    bounded and fail when a peer fails. ``join(divide_by_initial_world_size=False)`` divides
+    the gradients by the ranks that have not joined, as DDP does without a hook.
+
+    **torch.compile.** ``torch.compile(model)`` compiles the wrapped module as it does under
+    DDP; the library's bookkeeping runs outside dynamo's tracing (no more graph breaks than
+    DDP's). With ``on_failure="shrink"`` or inside ``distributed_inference`` the forward
+    pass runs uncompiled.
 
     Raises:
         PreflightError: Parameter names, shapes or dtypes, the backend, the torch/CUDA/NCCL
@@ -201,9 +215,10 @@ class ResilientDDP(DistributedDataParallel):
         self._rd_bucket_sync_due = False
         self._rd_bucket_thread: threading.Thread | None = None
         self._rd_beat_at = 0.0  # time.monotonic() of the last step-boundary heartbeat
-        # A weak reference: DDP's reducer holds the hook's state, and a strong one would
-        # keep this model alive through its own reducer.
-        DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
+        self._rd_join_work: Any = None  # this forward pass's join notification
+        self._rd_div: int | None = None  # this pass's divide factor (_rd_divide_factor)
+        self._rd_register_own_hook()
+        _keep_out_of_dynamo()
         _install_optimizer_hooks()
         _register_model(self)
         _group_users.add(self)  # its reducer holds its group (see release_retired)
@@ -260,22 +275,91 @@ class ResilientDDP(DistributedDataParallel):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        bypass = _dynamo_bypass
+        if bypass is not None and torch.compiler.is_compiling():
+            # Under torch.compile: one call that dynamo does not trace runs the forward
+            # pass, so that the library's bookkeeping breaks no graph; the wrapped module's
+            # own forward is still compiled, as under DDP (see _keep_out_of_dynamo).
+            run, before, after = bypass
+            return run(self, inputs, kwargs, before, after)
+        return _forward(self, inputs, kwargs, ResilientDDP._rd_before, ResilientDDP._rd_after)
+
+    def _rd_before(self, inputs: Any, kwargs: Any) -> tuple[bool, Any]:
+        """The library's part of a forward pass before DDP's.
+
+        Returns:
+            ``(True, output)`` when the pass is done (elastic training, local forward
+            passes), else ``(False, join_config)``: the join configuration to run DDP's
+            forward under (``None``: the model's own).
+        """
         rt = _runtime.current()
         if rt is not None and rt.elastic is not None and not rt.local_forward:
-            return self._rd_elastic_forward(rt, inputs, kwargs)
+            return True, self._rd_elastic_forward(rt, inputs, kwargs)
         if rt is not None:
             # A known failure makes the step fail now, not in its first collective.
             rt.raise_if_failed("forward", rt.seq + 1)
             if rt.local_forward:
                 # distributed_inference: ranks run different numbers of forwards, so DDP's
                 # per-forward buffer broadcast would pair up unrelated calls.
-                return self._rd_local_forward(inputs, kwargs)
+                return True, self._rd_local_forward(inputs, kwargs)
             rt.phase = "forward"
             self._rd_publish_step(rt)
+        join_config = self._rd_notify_join()
+        if rt is not None:
             self._rd_sync_buckets()
             self._rd_compute_start = time.monotonic()
-        output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+        return False, join_config
+
+    def _rd_after(self, output: Any) -> Any:
+        """The library's part of a forward pass after DDP's."""
         return self._rd_watch_backward(output)
+
+    def _rd_notify_join(self) -> Any:
+        """Tell a ``join()`` context that this rank has not joined, as DDP's forward does,
+        and keep the count of such ranks that it returns (see :meth:`_rd_divide_factor`).
+
+        DDP hands that count to its reducer, which divides the gradients by it under
+        ``join(divide_by_initial_world_size=False)``; with the library's comm hook the
+        reducer divides nothing, so the hook does. Done before the bucket layout exchange,
+        in DDP's order (a joined rank's join hook counts first, then rebuilds).
+
+        Returns:
+            The join configuration for DDP's forward (the notification already sent), or
+            ``None`` when there is nothing to take over.
+        """
+        self._rd_div = None
+        config = self._join_config
+        if (
+            not config.enable
+            or not config.is_first_joinable
+            or getattr(self, "_use_python_reducer", False)
+            or getattr(self, "_delay_all_reduce_all_params", False)
+        ):
+            self._rd_join_work = None
+            return None
+        self._rd_join_work = Join.notify_join_context(self)
+        return config._replace(is_first_joinable=False)
+
+    def _rd_divide_factor(self, op: Op) -> int:
+        """What DDP's reducer divides gradients by when it has no comm hook: the world
+        size, or under ``join(divide_by_initial_world_size=False)`` the number of ranks that
+        have not joined, which the forward pass's join notification counts (waited for
+        within ``op``'s bounds, where DDP waits without a bound).
+
+        Raises:
+            RankFailureError: A peer failed before the count completed.
+            CollectiveTimeoutError: The count did not complete within the op budget.
+        """
+        div = self._rd_div
+        if div is None:
+            work, self._rd_join_work = self._rd_join_work, None
+            if work is None or getattr(self, "_divide_by_initial_world_size", True):
+                div = dist.get_world_size(op.group)
+            else:
+                op.wait(work, cuda=self.join_device.type == "cuda")
+                div = int(work.get_future().value()[0].item())
+            self._rd_div = div
+        return div
 
     def _rd_local_forward(self, inputs: Any, kwargs: Any) -> Any:
         """The wrapped module's forward without DDP's synchronisation (no reducer hooks);
@@ -386,31 +470,83 @@ class ResilientDDP(DistributedDataParallel):
             torch.autograd.Variable._execution_engine.queue_callback(self._rd_finish_backward)
         return grad
 
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Register a DDP communication hook; it composes with the library's own.
+    def _rd_register_own_hook(self) -> None:
+        """Register the library's comm hook on the reducer, directly: DDP's
+        ``register_comm_hook`` would report it in ``_get_ddp_logging_data()`` and in
+        ``_comm_hooks``, which show the user's hook, as on DDP."""
+        # A weak reference: DDP's reducer holds the hook's state, and a strong one would
+        # keep this model alive through its own reducer.
+        dist._register_comm_hook(self.reducer, weakref.ref(self), _resilient_hook)
 
-        Your ``hook(state, bucket)`` still returns a future; ResilientDDP bounds the wait on
-        it and fails it when a peer fails. Call at most once, before the first backward.
+    def _rd_logger(self) -> dist.Logger:
+        logger = self.logger
+        if logger is None:
+            raise AssertionError("self.logger must not be None")  # DDP's own check
+        return logger
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Register a DDP communication hook, exactly as on DDP; it runs inside the
+        library's own.
+
+        The same checks, errors and logging data as
+        :meth:`DistributedDataParallel.register_comm_hook`: ``_get_ddp_logging_data()
+        ["comm_hook"]`` is the hook's ``__qualname__`` and ``_comm_hooks`` lists it. Your
+        ``hook(state, bucket)`` still returns a future; ResilientDDP bounds the wait on it
+        and fails it when a peer fails. Call at most once, before the first backward.
 
         Raises:
-            ConfigError: A hook was already registered.
+            TypeError: ``hook`` is not callable, or is the bf16 hook where the backend
+                cannot run it (DDP's checks and messages).
+            ValueError: ``hook``'s annotations are not DDP's signature.
+            RuntimeError: A hook was already registered (the reducer's own error).
         """
+        self._check_comm_hook(hook)  # type: ignore[no-untyped-call]
+        self._rd_logger()._set_comm_hook_name(hook.__qualname__)
+        self._comm_hooks.append((hook, state))
         if self._rd_inner_hook is not None:
-            raise ConfigError(
-                "register_comm_hook can be called only once on a ResilientDDP model "
-                "(as on DistributedDataParallel)."
+            # The reducer holds the library's hook: it refuses another with DDP's error.
+            self._rd_register_own_hook()
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
             )
-        if not callable(hook):
-            raise ConfigError(f"hook should be callable, but given {hook!r}")
         self._rd_inner_hook = hook
         self._rd_inner_state = state
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        raise ConfigError(
-            "Built-in C++ comm hooks bypass ResilientDDP's bounded reduction. HINT: register "
-            "the Python equivalent with register_comm_hook (e.g. "
-            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)."
+        """Register one of DDP's built-in C++ hooks, as its Python equivalent inside the
+        library's bounded reduction (the same arithmetic: the same gradients, bitwise).
+
+        ``dist.BuiltinCommHookType.ALLREDUCE`` runs ``default_hooks.allreduce_hook``,
+        ``FP16_COMPRESS`` ``default_hooks.fp16_compress_hook``; the logging data names the
+        built-in type, as on DDP.
+
+        Raises:
+            TypeError: ``comm_hook_type`` is not a ``BuiltinCommHookType`` (as on DDP).
+            RuntimeError: A hook was already registered (the reducer's own error).
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self._rd_logger()._set_comm_hook_name(str(comm_hook_type))
+        builtin = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        hook = (
+            builtin.get(comm_hook_type)
+            if type(comm_hook_type) is type(dist.BuiltinCommHookType.ALLREDUCE)
+            else None
         )
+        if self._rd_inner_hook is not None or hook is None:
+            # The reducer raises DDP's error: a hook is registered (the library's), or
+            # comm_hook_type is not a built-in type.
+            dist._register_builtin_comm_hook(self.reducer, comm_hook_type)
+            raise RuntimeError(
+                "register_builtin_comm_hook or register_comm_hook can only be called once."
+            )
+        # The C++ hooks reduce over the reducer's group: the default group, whatever
+        # generation it is in (None), or the model's own.
+        self._rd_inner_hook = hook
+        self._rd_inner_state = self._rd_group
 
     def _rd_finish_backward(self) -> None:
         """Autograd final callback, queued ahead of DDP's: wait (bounded) for every bucket
@@ -552,6 +688,9 @@ class ResilientDDP(DistributedDataParallel):
         """Rebuild DDP's reducer in place on the current default group: the
         object, ``.module`` and the optimizer stay; states already agree, so no sync."""
         self._rd_release_stuck_reducer()
+        # What DDP reports about the user's hook (which _rd_inner_hook still holds).
+        hooks = self._comm_hooks
+        hook_name = _hook_name(getattr(self, "logger", None))  # no reference to the logger
         for name in ("reducer", "logger"):
             if hasattr(self, name):
                 delattr(self, name)
@@ -559,7 +698,10 @@ class ResilientDDP(DistributedDataParallel):
         kwargs["init_sync"] = False
         DistributedDataParallel.__init__(self, self.module, *self._rd_args, **kwargs)
         self._rd_bucket_sync_due = False
-        DistributedDataParallel.register_comm_hook(self, weakref.ref(self), _resilient_hook)
+        self._rd_register_own_hook()
+        self._comm_hooks = hooks
+        if hook_name is not None:
+            self._rd_logger()._set_comm_hook_name(hook_name)
         rt = _runtime.current()
         if rt is not None and rt.elastic is not None:
             rt.elastic.rebuild = False
@@ -787,8 +929,8 @@ def make_resilient(
             f"make_resilient: the model already has a communication hook "
             f"({hook_name or model._comm_hooks[0][0]}); DDP's reducer takes one hook only, "
             "and the library needs its own. HINT: call make_resilient first, then "
-            "register_comm_hook (ResilientDDP's composes with the library's; built-in C++ "
-            "hooks are refused, use their Python equivalents)."
+            "register_comm_hook or _register_builtin_comm_hook (ResilientDDP's run inside "
+            "the library's own)."
         )
     rt = ensure_runtime(resilience)
     config = resolve(resilience) if resilience is not None else rt.config
@@ -824,6 +966,68 @@ def make_resilient(
 
         bound()
     return adopted
+
+
+def _hook_name(logger: dist.Logger | None) -> str | None:
+    """The comm hook name in DDP's logging data, if any. A function of its own, so that no
+    frame of the caller keeps the logger (and through it the old reducer) alive: the
+    reducer must go where __del__ and release_retired say (see ResilientDDP.__del__)."""
+    return None if logger is None else logger._get_ddp_logging_data().strs_map.get("comm_hook")
+
+
+def _forward(
+    model: ResilientDDP,
+    inputs: Any,
+    kwargs: Any,
+    before: Callable[[ResilientDDP, Any, Any], tuple[bool, Any]],
+    after: Callable[[ResilientDDP, Any], Any],
+) -> Any:
+    """ResilientDDP's forward pass: the library's part (``before``, ``after``) around DDP's.
+
+    ``before`` and ``after`` are :meth:`ResilientDDP._rd_before` and
+    :meth:`ResilientDDP._rd_after`, or under ``torch.compile`` the same methods hidden from
+    dynamo (see :func:`_keep_out_of_dynamo`).
+    """
+    done, value = before(model, inputs, kwargs)
+    if done:
+        return value
+    saved = model._join_config
+    if value is not None:
+        # The join notification was sent (see _rd_notify_join): DDP's must not be.
+        model._join_config = value
+    try:
+        output = DistributedDataParallel.forward(model, *inputs, **kwargs)  # type: ignore[no-untyped-call]
+    finally:
+        model._join_config = saved
+    return after(model, output)
+
+
+# Under torch.compile, ResilientDDP.forward calls _forward through a wrapper that dynamo does
+# not trace, with the library's methods hidden from it (set by _keep_out_of_dynamo).
+_dynamo_bypass: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
+
+
+def _keep_out_of_dynamo() -> None:
+    """Keep the library's forward-pass bookkeeping out of what dynamo traces (once per
+    process; DDP's constructor has imported dynamo by then).
+
+    Traced, each clock read, lock, thread-local and future of the library is a graph break
+    (22 for a step of a small MLP, against DDP's 3). So the compiled forward makes one call
+    that dynamo skips (``recursive=False``: what it calls is still traced, the wrapped
+    module's forward included, as under DDP), and the library's methods that it or DDP's
+    forward calls (before and after DDP's part, the buffer broadcast) run with dynamo off.
+    """
+    global _dynamo_bypass
+    if _dynamo_bypass is not None:
+        return
+    hide = torch.compiler.disable
+    broadcast_buffers = ResilientDDP.__dict__["_default_broadcast_coalesced"]
+    type.__setattr__(ResilientDDP, "_default_broadcast_coalesced", hide(broadcast_buffers))  # type: ignore[no-untyped-call]
+    _dynamo_bypass = (
+        hide(_forward, recursive=False),  # type: ignore[no-untyped-call]
+        hide(ResilientDDP._rd_before),  # type: ignore[no-untyped-call]
+        hide(ResilientDDP._rd_after),  # type: ignore[no-untyped-call]
+    )
 
 
 def _in_backward() -> bool:
@@ -953,7 +1157,8 @@ def _resilient_hook(
     ddp = state()
     assert ddp is not None
     tensor = bucket.buffer()
-    if not ddp._rd_callback_queued and _in_backward():
+    shadow = _shadowing(ddp)
+    if not ddp._rd_callback_queued and not shadow:
         # A backward pass that did not start from an output of ours (the model was made
         # resilient between its forward and backward passes, or the outputs were detached
         # and re-attached): wait at its end all the same, and raise there what fails below.
@@ -968,45 +1173,93 @@ def _resilient_hook(
         # still holds this rank's local gradients) and a tensor of its size.
         ddp._rd_buckets.append((result, bucket.parameters(), tensor))
     try:
-        group = ddp._rd_group
         cfg = ddp._rd_config
         op = Op(
             f"ddp_bucket{bucket.index()}",
-            group=group,
+            group=ddp._rd_group,
             timeout=cfg.op_timeout,
             budget=cfg.effective_op_budget,
             retry=1,
             validate=False,
         )
     except ResilientDDPError as e:
-        ddp._rd_pass_error = e
-        if not elastic_mode:
-            result.set_exception(e)  # type: ignore[arg-type]  # stubs: Tensor; any exception works
-        return result
-    if ddp._rd_inner_hook is None:
-        # Average as DDP's reducer does without a hook: scale by 1/world, then sum.
-        tensor.mul_(1.0 / dist.get_world_size(group))
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-        inner = work.get_future()
-        keep: Any = work
-
-        def pick(v: Any) -> Any:
-            return v[0]
-    else:
-        inner = ddp._rd_inner_hook(ddp._rd_inner_state, bucket)
-        keep = inner
-
-        def pick(v: Any) -> Any:
-            return v
-
-    p = op.track(inner, future=result, result_fn=pick, hold=elastic_mode)
-    if ddp._rd_callback_queued:
+        return _fail_bucket(ddp, result, e, elastic_mode)
+    try:
+        inner, keep, pick = _issue(ddp, op, bucket, shadow)
+    except ResilientDDPError as e:
+        return _fail_bucket(ddp, result, e, elastic_mode)
+    except BaseException:
+        _abandon_pass(ddp, op)
+        raise
+    if not isinstance(inner, torch._C.Future):
+        # DDP's reducer raises its own error for what the user's hook returned
+        # ("... must return a torch.futures.Future object, but got ...").
+        _abandon_pass(ddp, op)
+        return inner  # type: ignore[no-any-return]
+    p = op.track(cast(Any, inner), future=result, result_fn=pick, hold=elastic_mode)
+    if not shadow:
         ddp._rd_pass.append((op, p, keep))
     else:
         # No backward pass of ours to wait in: a joined rank shadowing the others'
         # reductions (DDP's join), which waits on the future itself. The watchdog still
         # fails it when a peer fails.
         inner.add_done_callback(lambda _: _settle_shadow(op, p))
+    return result
+
+
+def _shadowing(ddp: ResilientDDP) -> bool:
+    """Whether the comm hook was called outside a backward pass: a joined rank shadowing
+    the others' reductions (DDP's join calls the reducer's hook directly)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if task_id is None:
+        return not ddp._rd_callback_queued
+    return int(task_id()) == -1
+
+
+def _issue(
+    ddp: ResilientDDP, op: Op, bucket: dist.GradBucket, shadow: bool
+) -> tuple[Any, Any, Any]:
+    """Issue one bucket's reduction: DDP's own averaging, or the user's hook.
+
+    Returns:
+        The future it completes (whatever the user's hook returned), what to keep of it
+        (see :meth:`Op.forget`), and the function that maps its value to the gradients.
+
+    Raises:
+        RankFailureError: A peer failed before the join count completed.
+        CollectiveTimeoutError: The join count did not complete within the op budget.
+    """
+    if ddp._rd_inner_hook is not None:
+        inner = ddp._rd_inner_hook(ddp._rd_inner_state, bucket)
+        return inner, inner, _value
+    tensor = bucket.buffer()
+    # As DDP's reducer does without a hook: scale by 1 / its divide factor, then sum. A
+    # joined rank's shadow reduction (no pass of ours) sums zeros.
+    div = dist.get_world_size(op.group) if shadow else ddp._rd_divide_factor(op)
+    tensor.mul_(1.0 / div)
+    work = dist.all_reduce(tensor, group=op.group, async_op=True)
+    return work.get_future(), work, _first
+
+
+def _value(v: Any) -> Any:
+    return v
+
+
+def _first(v: Any) -> Any:
+    return v[0]
+
+
+def _fail_bucket(
+    ddp: ResilientDDP,
+    result: torch.futures.Future[torch.Tensor],
+    error: ResilientDDPError,
+    elastic_mode: bool,
+) -> torch.futures.Future[torch.Tensor]:
+    """A bucket's reduction could not be issued: the pass's final callback raises
+    ``error``; its future fails too (elastic training settles it after a recovery)."""
+    ddp._rd_pass_error = error
+    if not elastic_mode:
+        result.set_exception(error)  # type: ignore[arg-type]  # stubs: Tensor; any exception works
     return result
 
 
@@ -1017,6 +1270,16 @@ _resilient_hook.__annotations__ = {
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
+
+
+def _abandon_pass(ddp: ResilientDDP, op: Op) -> None:
+    """The user's comm hook failed (it raised, or returned something other than a
+    future): the backward pass ends with that error, without the final callback. Let the
+    pass's ops go, so that the next pass starts clean."""
+    ddp._rd_pass = _forget_ops(ddp._rd_pass)
+    ddp._rd_pass_error = None
+    ddp._rd_callback_queued = False
+    op.end()
 
 
 def _forget_ops(ops: list[tuple[Op, PendingOp, Any]]) -> list[Any]:
