@@ -435,7 +435,10 @@ def test_an_invalid_duration_argument_is_a_config_error(value: Any, says: str) -
 def stand_in_runtime(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     """What :class:`Op`'s constructor reads of the runtime (default config, 1 s diagnosis)."""
     rt = SimpleNamespace(
-        config=rd.ResilienceConfig(), _diagnosis_window=lambda: 1.0, begin_op=lambda _name: 1
+        config=rd.ResilienceConfig(),
+        _diagnosis_window=lambda: 1.0,
+        begin_op=lambda _name: 1,
+        stuck_window=lambda _name: 3.0,
     )
     monkeypatch.setattr(collectives, "ensure_runtime", lambda: rt)
     return rt
@@ -463,12 +466,33 @@ def test_which_arguments_bound_the_call(stand_in_runtime: SimpleNamespace) -> No
     )
     with pytest.raises(rd.ConfigError, match=r"budget .* must be at least the timeout"):
         _call_op("barrier", None, 5.0, 2.0, None, None)
-    # Neither: the config's op_timeout per attempt and op_budget (= op_timeout) in all.
-    assert _bounds(_call_op("barrier", None, None, None, None, None)) == (
-        False,
-        60.0,
-        60.0,
-    )
+    # Neither: the config's op_timeout per attempt and op_budget (= op_timeout) in all;
+    # with no limit set anywhere, a busy late rank is waited for up to busy_timeout.
+    o = _call_op("barrier", None, None, None, None, None)
+    assert _bounds(o) == (False, 60.0, 60.0)
+    assert (o.limit_set, o.busy_s, o.window_s) == (False, 1800.0, 3.0)
+    # A limit given to the call is a hard limit, busy or not.
+    o = _call_op("barrier", None, 2.0, None, None, None)
+    assert (o.limit_set, o.busy_s) == (True, 2.0)
+    o = _call_op("barrier", None, 1.0, 8.0, None, None)
+    assert (o.limit_set, o.busy_s) == (True, 8.0)
+
+
+def test_a_limit_in_the_config_is_a_hard_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """op_timeout (or op_budget) set in the config bounds a busy rank too."""
+    for cfg, busy in (
+        (rd.ResilienceConfig(op_timeout=20), 20.0),
+        (rd.ResilienceConfig(op_budget=90), 90.0),
+        (rd.ResilienceConfig(busy_timeout=300), 300.0),
+    ):
+        rt = SimpleNamespace(
+            config=cfg,
+            _diagnosis_window=lambda: 1.0,
+            begin_op=lambda _name: 1,
+            stuck_window=lambda _name: 3.0,
+        )
+        monkeypatch.setattr(collectives, "ensure_runtime", lambda rt=rt: rt)
+        assert Op("barrier", retry=1).busy_s == busy, cfg
 
 
 def test_library_internal_ops_keep_their_bounds(stand_in_runtime: SimpleNamespace) -> None:

@@ -197,8 +197,34 @@ def test_what_blocks_verdicts(
     assert what_blocks(state, answered=answered, stopped=stopped) == Verdict(blame, text)
 
 
+def test_a_silent_rank_whose_process_runs_is_not_called_unresponsive() -> None:
+    """Not answered, not stopped, but its process runs on this host: its watchdog cannot
+    run (a C call that holds the GIL); its silence still shows."""
+    state = {"seq": 4, "op": "all_reduce", "t": NOW - 16.04}
+    verdict = _what_blocks(
+        state,
+        answered=False,
+        stopped=False,
+        running=True,
+        name=NAME,
+        seq=SEQ,
+        now=NOW,
+        recovery_phase=RECOVERY,
+    )
+    assert verdict == Verdict(
+        Blame.RUNNING_UNHEARD,
+        "is not responding (last heartbeat 16.0 s ago) but its process is running: its "
+        "watchdog thread cannot run, probably a C call that holds the GIL",
+    )
+    # A stopped process is stopped, running or not.
+    assert what_blocks(state, answered=False, stopped=True).blame is Blame.STOPPED  # type: ignore[union-attr]
+
+
 def test_every_blame_has_a_row() -> None:
-    covered = {row[4] for row in VERDICTS} | {Blame.THIS_RANK_DIVERGED}  # majority_rule's
+    covered = {row[4] for row in VERDICTS} | {
+        Blame.THIS_RANK_DIVERGED,  # majority_rule's
+        Blame.RUNNING_UNHEARD,  # its own test above
+    }
     assert covered == set(Blame)
 
 
@@ -225,6 +251,7 @@ LEVELS = {
     Blame.LEFT: 0,
     Blame.STOPPED: 0,
     Blame.NOT_RESPONDING: 0,
+    Blame.RUNNING_UNHEARD: 0,
     Blame.NEVER_ARRIVED_IDLE: 0,
     Blame.NEVER_ARRIVED_IN_OP: 1,
     Blame.AHEAD: 2,

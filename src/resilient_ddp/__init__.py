@@ -7,6 +7,7 @@ from __future__ import annotations
 
 # First: refuses a torch outside the supported range before anything uses its internals.
 from . import _compat  # noqa: F401
+from ._progress import progress
 from ._runtime import add_failure_listener, phase, section
 from .checkpoint import broadcast_state_dict, load_and_broadcast
 from .collectives import (
@@ -90,6 +91,7 @@ __all__ = [
     "load_and_broadcast",
     "make_resilient",
     "phase",
+    "progress",
     "register_elastic_participant",
     "section",
     "set_config",

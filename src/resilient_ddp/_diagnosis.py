@@ -54,6 +54,12 @@ class Blame(enum.Enum):
     STOPPED = "is stopped (SIGSTOP or a debugger) and not responding"
     #: It did not answer the diagnosis request.
     NOT_RESPONDING = "is not responding (last heartbeat {silence:.1f} s ago)"
+    #: It did not answer, but its process runs on this host: its watchdog thread cannot
+    #: (a C call that holds the GIL). Busy, not dead.
+    RUNNING_UNHEARD = (
+        "is not responding (last heartbeat {silence:.1f} s ago) but its process is running: "
+        "its watchdog thread cannot run, probably a C call that holds the GIL"
+    )
     #: It arrived, then gave up on the op itself after an error of its own: a consequence.
     GAVE_UP_AFTER_OWN_ERROR = "gave up on {name}#{seq} itself, after an error of its own"
     #: It never arrived at the op and is in no collective (the usual hang).
@@ -116,6 +122,7 @@ def what_blocks(  # noqa: PLR0911 - one return per verdict
     *,
     answered: bool,
     stopped: bool,
+    running: bool = False,
     name: str,
     seq: int,
     now: float,
@@ -129,6 +136,8 @@ def what_blocks(  # noqa: PLR0911 - one return per verdict
         answered: Whether it answered the diagnosis request (or is no longer running).
         stopped: Whether its process is stopped on this host (read only if it did not
             answer).
+        running: Whether its process is running on this host (read only if it did not
+            answer and is not stopped).
         name: The op this rank waits in.
         seq: That op's sequence number.
         now: The wall-clock time (``time.time()``), to age its last heartbeat.
@@ -150,7 +159,10 @@ def what_blocks(  # noqa: PLR0911 - one return per verdict
     if not answered:
         if stopped:
             return Verdict.of(Blame.STOPPED)
-        return Verdict.of(Blame.NOT_RESPONDING, silence=now - float(state.get("t", 0)))
+        silence = now - float(state.get("t", 0))
+        if running:
+            return Verdict.of(Blame.RUNNING_UNHEARD, silence=silence)
+        return Verdict.of(Blame.NOT_RESPONDING, silence=silence)
     their_seq = state.get("seq", -1)
     in_op = state.get("in_op")
     if (

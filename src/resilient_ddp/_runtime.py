@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _control as ctl
 from . import _diagnosis as dg
-from . import _events
+from . import _events, _progress
 from .config import ResilienceConfig
 from .errors import (
     CollectiveMismatchError,
@@ -212,7 +212,17 @@ class Runtime:
         self.hosts_store = port is not None and ctl.serves_port(port)
         self.identity["hosts_store"] = self.hosts_store
         self.infos: dict[int, dict[str, Any]] = {}
-        self.main_thread_ident = threading.main_thread().ident
+        main = threading.main_thread()
+        self.main_thread_ident = main.ident
+        # Busy or stuck: when the main thread's progress signals last moved (sampled by the
+        # watchdog at each tick, published as "idle"), and how long this rank's ops
+        # usually wait (the stuck window follows them).
+        self.liveness = _progress.Tracker(
+            _progress.sampler(main.ident or 0, main.native_id or 0, _is_internal)
+        )
+        self.waits = _progress.WaitHistory()
+        self._op_t0 = 0.0  # time.monotonic() when the current op (or DDP pass) began
+        self._sampled_in_op = False  # the last progress sample was taken inside an op
         # Healthy-path state, written by the main thread, read by the watchdog; step,
         # phase and in_op (with op and op_seq) also go to this process's board at once.
         self._board = process_board()
@@ -375,11 +385,33 @@ class Runtime:
         seq = self.seq
         self.op, self.op_seq = name, seq
         self.raise_if_failed(name, seq)
+        if not self._in_op:
+            self._op_t0 = time.monotonic()
         self.in_op = True
         return seq
 
     def end_op(self) -> None:
+        if self._in_op and not self.failures and not self.left:
+            # A completed op's wait, learned per kind of op (see stuck_window).
+            self.waits.add(self.op, time.monotonic() - self._op_t0)
         self.in_op = False
+
+    def observe_progress(self) -> None:
+        """Sample the main thread's progress signals (the watchdog, once per tick). Time
+        spent waiting inside a collective is not idleness: it restarts the count."""
+        self.liveness.observe(baseline=self._sampled_in_op)
+        self._sampled_in_op = self._in_op
+        if self._in_op:
+            self.liveness.restart()
+
+    def stuck_window(self, name: str) -> float:
+        """Seconds without progress after which a rank late to op ``name`` is stuck: the
+        config's base window, or longer where this kind of op usually waits longer."""
+        cfg = self.config
+        return min(
+            self.waits.window(name, cfg.base_stuck_window),
+            cfg.busy_timeout.total_seconds(),
+        )
 
     def register(self, p: PendingOp) -> None:
         with self.lock:
@@ -411,6 +443,11 @@ class Runtime:
             "status": self.status,
             "compute_s": self.compute_s,
             "progress": self.progress,
+            # Seconds since the main thread's progress signals last moved (its own
+            # monotonic clock), which moved then, and where it is: busy or stuck.
+            "idle": round(self.liveness.idle(), 2),
+            "moving": list(self.liveness.moving),
+            "where": self.liveness.last.where if self.liveness.last is not None else "",
             "raised": self.raised,
             "t": time.time(),
         }
@@ -1031,6 +1068,7 @@ class Runtime:
             s = beat = answers.get(r, states.get(r, {}))
             info = self.infos.get(r, {})
             stopped = not answered and self.is_stopped(r)
+            running = not answered and not stopped and self.is_running(r)
             if stopped:
                 # Stopped on this host: its board has what it was doing when it stopped.
                 s = with_board(beat, info)
@@ -1040,6 +1078,7 @@ class Runtime:
                 s,
                 answered=answered,
                 stopped=stopped,
+                running=running,
                 name=name,
                 seq=seq,
                 now=time.time(),
@@ -1049,6 +1088,14 @@ class Runtime:
                 verdicts[r] = verdict
                 fresh = time.time() - float(beat.get("t", 0)) < hb_timeout
                 extra: dict[str, Any] = {}
+                idle = beat.get("idle")
+                if isinstance(idle, (int, float)) and not isinstance(idle, bool):
+                    # Busy or stuck (see Op._stuck): seconds since its progress signals
+                    # last moved, measured by its own clock; what moved; where it is.
+                    extra["idle"] = float(idle)
+                    moving = beat.get("moving")
+                    extra["moving"] = [str(m) for m in moving] if isinstance(moving, list) else []
+                    extra["where"] = str(beat.get("where", ""))
                 if beat.get("section_left") is not None:
                     # Wall-clock end of its section's budget, as of its last heartbeat.
                     extra["busy_until"] = float(beat.get("t", 0)) + float(beat["section_left"])
@@ -1060,7 +1107,7 @@ class Runtime:
                         info=info,
                         state=s,
                         stack=s.get("stack"),
-                        alive=answered or (fresh and not self.is_stopped(r)),
+                        alive=answered or running or (fresh and not self.is_stopped(r)),
                         **extra,
                     )
                 )
@@ -1087,6 +1134,12 @@ class Runtime:
         debugger): then it cannot answer, though its heartbeat is not yet stale."""
         pid = int(self.infos.get(rank, {}).get("pid", 0))
         return self.is_local(rank) and ctl.process_state(pid) == "T"
+
+    def is_running(self, rank: int) -> bool:
+        """Whether ``rank`` runs on this host and its main thread is running or waiting on
+        the disk (Linux state R or D): working, even if its watchdog does not answer."""
+        pid = int(self.infos.get(rank, {}).get("pid", 0))
+        return self.is_local(rank) and ctl.process_state(pid) in ("R", "D")
 
     def is_gone(self, rank: int) -> bool:
         """Whether ``rank`` runs on this host and its process has ended (or is a zombie)."""

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as ctl
+from . import _events, _progress
 from ._backend import comm_device
 from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
 from ._runtime import PendingOp
@@ -69,6 +70,7 @@ Duration = timedelta | float | int | None
 _MAX_NDIM = 16
 _MAX_SLICE_S = 0.25  # longest backend wait between two checks for recorded failures
 _MIN_SLICE_S = SHORTEST_TIMEOUT.total_seconds()  # below: c10d's 0 ms, i.e. "forever"
+_BUSY_REPORT_S = 30.0  # how often a waiting rank says again what a busy late rank does
 
 
 class _TransientError(Exception):
@@ -248,6 +250,9 @@ class Op:
         self.rt = rt
         self.name = name
         self.group = group
+        # Whether a limit was set (here or in the config): then it bounds the op even for
+        # a busy rank; else a busy rank is waited for up to busy_timeout (see _keep_waiting).
+        self.limit_set = timeout is not None or budget is not None or cfg.op_limit_set
         self.attempt_s = _seconds("timeout", timeout, cfg.op_timeout)
         if retry is None and group is not None:
             retry = 1  # the config's retry policy applies to the default group only
@@ -285,6 +290,11 @@ class Op:
         self.validate = cfg.validate_collectives if validate is None else validate
         self.start = time.monotonic()
         self.deadline = self.start + self.budget_s
+        # Busy is not stuck: the late ranks are first judged after the stuck window (not a
+        # whole attempt), a stuck one is named then, and a busy one waited for (_judge_s).
+        self.window_s = rt.stuck_window(name)
+        self.busy_s = self.budget_s if self.limit_set else cfg.busy_timeout.total_seconds()
+        self._busy_told = -math.inf  # time.monotonic() of the last "is busy" report
         self.seq = rt.begin_op(name)
 
     def renew(self) -> None:
@@ -586,20 +596,33 @@ class Op:
         deadline, so that the diagnosis ends by it."""
         self._final = None
         now = time.monotonic()
+        # Half a window: a rank that was already stuck when this one arrived is named then;
+        # one that is working is looked at again when it could first be stuck (_next_check).
+        first = min(self.attempt_s, self.window_s / 2)
         if not self.bounds_call:
-            return now + self.attempt_s
-        return max(now, min(now + self.attempt_s, self.deadline - self._lead))
+            return now + first
+        return max(now, min(now + first, self.deadline - self._lead))
 
     def _next_check(self, culprits: list[dict[str, Any]]) -> float:
         """When to diagnose again, after a diagnosis found every late rank alive. With
         ``bounds_call``, once no other diagnosis fits before the deadline, ``culprits`` are
         the ones :meth:`_attempt_timed_out` raises at the deadline."""
         now = time.monotonic()
+        # A late rank is judged again when it could first be stuck (its idleness reaches
+        # the window), a heartbeat interval later, and at least every half window: one that
+        # stops making progress is named about one window and one interval after.
+        interval = self.rt.config.heartbeat_interval.total_seconds()
+        again = max(1.0, self.window_s / 2)
+        for c in culprits:
+            idle = c.get("idle")
+            if isinstance(idle, float) and c.get("blame") == "NEVER_ARRIVED_IDLE":
+                again = min(again, max(interval, self.window_s - idle + interval))
+        again = min(self.attempt_s, again)
         if not self.bounds_call:
-            return now + self.attempt_s
+            return now + again
         last = self.deadline - self._lead
         if now + _MIN_SLICE_S < last:
-            return min(now + self.attempt_s, last)
+            return min(now + again, last)
         self._final = culprits
         return self.deadline
 
@@ -625,6 +648,9 @@ class Op:
         culprits = rt.diagnose(rt.control, self.name, self.seq)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq)
+        stuck = self._stuck(culprits)
+        if stuck:
+            return self.raise_timeout(stuck)
         if self._keep_waiting(culprits):
             return self._next_check(culprits)
         if not culprits and self.may_retry:
@@ -634,7 +660,20 @@ class Op:
             # still complete; if not, it raises these culprits at the deadline.
             self._final = culprits
             return self.deadline
-        return self.raise_timeout(culprits)
+        return self.raise_timeout([self._busy_to_the_end(c) for c in culprits])
+
+    def _busy_to_the_end(self, c: dict[str, Any]) -> dict[str, Any]:
+        """Culprit ``c`` as the op gives up, its ``what`` saying what it was busy with if
+        it was busy."""
+        if not self._is_busy(c):
+            return c
+        doing = _progress.describe(list(c.get("moving") or ())) or "making progress"
+        return {
+            **c,
+            "what": f"{c['what']}; it was busy in {c.get('where') or 'its code'} for "
+            f"{time.monotonic() - self.start:.0f} s, {doing}, and the op's limit "
+            f"({self.busy_s:.0f} s) ran out",
+        }
 
     def _keep_waiting(self, culprits: list[dict[str, Any]]) -> bool:
         """Whether to wait on the same handle for another attempt timeout: the late ranks
@@ -643,6 +682,13 @@ class Op:
         the call (``bounds_call``)."""
         if not culprits or not all(c.get("alive", False) for c in culprits):
             return False
+        working = [c for c in culprits if self._is_busy(c)]
+        if len(working) == len(culprits) and not self.limit_set:
+            # Every late rank makes progress: wait for it up to busy_timeout, telling what
+            # it does (no limit was set: a set one stays a hard limit).
+            self.deadline = self.start + self.busy_s
+        if working:
+            self._tell_busy(working)
         busy = [float(c["busy_until"]) for c in culprits if c.get("busy_until") is not None]
         if len(busy) == len(culprits) and not self.bounds_call:
             # Every late rank is inside a section with a budget (rd.section): busy, not
@@ -662,6 +708,8 @@ class Op:
                 )
         if time.monotonic() >= self.deadline:
             return False
+        if len(working) == len(culprits):
+            return True  # told by _tell_busy, at its own pace
         log.warning(
             "rank %d: %s#%d still waiting after %.1f s for rank(s) %s (alive); "
             "%.1f s of budget left",
@@ -673,6 +721,87 @@ class Op:
             self.deadline - time.monotonic(),
         )
         return True
+
+    def _is_busy(self, c: dict[str, Any]) -> bool:
+        """Whether late rank ``c`` (a diagnosis's culprit) is outside any collective and
+        its progress signals moved within the stuck window."""
+        if c.get("blame") == "RUNNING_UNHEARD":
+            return True  # its process runs on this host; its watchdog cannot (the GIL)
+        idle = c.get("idle")
+        return (
+            c.get("blame") == "NEVER_ARRIVED_IDLE"
+            and isinstance(idle, float)
+            and idle < self.window_s
+        )
+
+    def _stuck(self, culprits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The late ranks of ``culprits`` that are stuck: alive, outside any collective
+        and outside a section with a budget, and none of their progress signals moved for
+        the stuck window. Each one's ``what`` says so."""
+        out = []
+        for c in culprits:
+            idle = c.get("idle")
+            if (
+                c.get("blame") == "NEVER_ARRIVED_IDLE"
+                and c.get("alive", False)
+                and c.get("busy_until") is None
+                and isinstance(idle, float)
+                and idle >= self.window_s
+            ):
+                out.append(
+                    {
+                        **c,
+                        "what": f"{c['what']}, and is stuck: nothing it does (CPU time, "
+                        f"Python stack, I/O) moved for {idle:.1f} s",
+                    }
+                )
+        return out
+
+    def _tell_busy(self, working: list[dict[str, Any]]) -> None:
+        """Say what the busy late ranks do: a log line and a ``busy`` event, at first and
+        then every :data:`_BUSY_REPORT_S`."""
+        now = time.monotonic()
+        # Only ranks seen moving just now: one whose idleness grows may be about to be
+        # named stuck, and "busy" would mislead.
+        working = [
+            c
+            for c in working
+            if c.get("blame") == "RUNNING_UNHEARD" or float(c["idle"]) < self.window_s / 3
+        ]
+        if not working or now - self._busy_told < _BUSY_REPORT_S:
+            return
+        self._busy_told = now
+        waited = now - self.start
+        for c in working:
+            where = str(c.get("where") or "its code")
+            doing = _progress.describe(list(c.get("moving") or ())) or "making progress"
+            if c.get("blame") == "RUNNING_UNHEARD":
+                doing = (
+                    "its process running but its watchdog thread unable to run "
+                    "(probably a C call that holds the GIL)"
+                )
+            log.warning(
+                "rank %d: %s#%d waits for rank %s, busy in %s for %.0f s, %s; it is waited "
+                "for up to %.0f s in all (busy_timeout)",
+                self.rt.rank,
+                self.name,
+                self.seq,
+                c["rank"],
+                where,
+                waited,
+                doing,
+                self.deadline - self.start,
+            )
+            _events.record(
+                self.rt,
+                "busy",
+                busy_rank=c["rank"],
+                op=self.name,
+                seq=self.seq,
+                where=where,
+                moving=list(c.get("moving") or ()),
+                waited=round(waited, 3),
+            )
 
     def _raise_watchdog_verdict(
         self, error: BaseException | None, *, past_deadline: bool = False

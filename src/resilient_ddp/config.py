@@ -89,9 +89,23 @@ class ResilienceConfig(_Model):
 
     Args:
         op_timeout: How long one attempt of a collective may wait before the ranks that have
-            not arrived are diagnosed (default 60 s).
+            not arrived are diagnosed (default 60 s). When set (in code or by
+            ``RESILIENT_DDP_OP_TIMEOUT``), it is also a hard limit: a collective waits no
+            longer than ``op_budget`` (``op_timeout`` when unset) even for a rank that is
+            busy. When left unset, a late rank that makes progress is waited for up to
+            ``busy_timeout``.
         op_budget: Total time a collective may take, including waiting longer on a slow but
             alive peer and retries. ``None`` means equal to ``op_timeout``.
+        stuck_window: A rank that has not arrived at a collective and whose progress
+            signals (its main thread's CPU time, Python stack and I/O, CUDA work,
+            :func:`resilient_ddp.progress` calls) did not move for this long is named as
+            stuck at once, whatever ``op_timeout`` says. ``None`` (default): six heartbeat
+            intervals and at least 3 s, longer for an op whose waits have usually been
+            longer (learned per op name while the job runs).
+        busy_timeout: How long a collective waits for a late rank whose progress signals
+            keep moving (it evaluates, compiles, writes a checkpoint) when ``op_timeout``
+            is not set (default 30 min, gloo's own process-group timeout). Its peers log
+            what it is doing meanwhile.
         heartbeat_interval: How often each rank's watchdog publishes its heartbeat and reads
             failure reports (default 0.5 s). Failure detection latency is about this.
         heartbeat_timeout: A rank whose heartbeat has not changed for this long is declared
@@ -135,6 +149,8 @@ class ResilienceConfig(_Model):
 
     op_timeout: timedelta = timedelta(seconds=60)
     op_budget: timedelta | None = None
+    stuck_window: timedelta | None = None
+    busy_timeout: timedelta = timedelta(minutes=30)
     heartbeat_interval: timedelta = timedelta(milliseconds=500)
     heartbeat_timeout: timedelta = timedelta(seconds=15)
     store_timeout: timedelta = timedelta(seconds=60)
@@ -153,6 +169,8 @@ class ResilienceConfig(_Model):
     @field_validator(
         "op_timeout",
         "op_budget",
+        "stuck_window",
+        "busy_timeout",
         "heartbeat_interval",
         "heartbeat_timeout",
         "store_timeout",
@@ -182,6 +200,20 @@ class ResilienceConfig(_Model):
     def effective_op_budget(self) -> timedelta:
         """``op_budget``, or ``op_timeout`` when no budget was set."""
         return self.op_budget if self.op_budget is not None else self.op_timeout
+
+    @property
+    def op_limit_set(self) -> bool:
+        """Whether ``op_timeout`` or ``op_budget`` was set (in code or the environment):
+        then it is a hard limit of every collective, a busy rank included."""
+        return bool({"op_timeout", "op_budget"} & self.model_fields_set)
+
+    @property
+    def base_stuck_window(self) -> float:
+        """The stuck window before any learning (seconds): ``stuck_window`` if set, else
+        six heartbeat intervals and at least 3 s."""
+        if self.stuck_window is not None:
+            return self.stuck_window.total_seconds()
+        return max(3.0, 6 * self.heartbeat_interval.total_seconds())
 
     @classmethod
     def from_env(

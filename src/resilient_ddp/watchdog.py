@@ -156,6 +156,8 @@ class Watchdog(threading.Thread):
         self.control = self._bounded(runtime.connection("watchdog"))
         self.interval = runtime.config.heartbeat_interval.total_seconds()
         self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
+        self.busy_timeout = runtime.config.busy_timeout.total_seconds()
+        self._unheard: set[int] = set()  # silent ranks whose process runs (told once)
         self._stop_event = threading.Event()
         self._wake = threading.Event()
         self._poking = False  # see poke()
@@ -387,6 +389,7 @@ class Watchdog(threading.Thread):
         # the round trips, a loaded machine let the section end first, and the stack
         # showed its exit.)
         self._check_section()
+        rt.observe_progress()
         self.control.publish_state(rt.rank, self._state())
         n_events, diag, states, joins = self.control.poll(
             self.watched, joins=rt.elastic is not None
@@ -500,6 +503,7 @@ class Watchdog(threading.Thread):
             last = self._last_change.get(r)
             if last is None or last[0] != beat:
                 self._last_change[r] = (beat, now)
+                self._unheard.discard(r)
                 continue
             if s.get("status") == "running" and r not in self.rt.left:
                 silence[r] = now - last[1]
@@ -518,6 +522,21 @@ class Watchdog(threading.Thread):
         # of a host's ranks before it has read the others.
         found = []
         for r in sorted(stale):
+            if silence[r] < self.busy_timeout and self.rt.is_running(r):
+                # Its process runs (on this host) but its watchdog does not: a C call that
+                # holds the GIL. Busy, not dead: said once, failed only after busy_timeout.
+                if r not in self._unheard:
+                    self._unheard.add(r)
+                    log.warning(
+                        "rank %d has sent no heartbeat for %.1f s, but its process is "
+                        "running: its watchdog thread cannot run, probably a C call that "
+                        "holds the GIL; it is declared dead only if this lasts busy_timeout "
+                        "(%.0f s)",
+                        r,
+                        silence[r],
+                        self.busy_timeout,
+                    )
+                continue
             what = f"stopped sending heartbeats ({silence[r]:.1f} s without one)"
             if self.rt.is_stopped(r):
                 what = f"is stopped (SIGSTOP or a debugger): no heartbeat for {silence[r]:.1f} s"

@@ -1,0 +1,133 @@
+"""Workers of tests/test_busy_mp.py: a late rank that is busy (its progress signals move)
+or stuck (they do not), with the library's default timing (no op_timeout set)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+import resilient_ddp as rd
+
+
+def _busy_cpu(seconds: float) -> None:
+    """A CPU-bound Python loop, its stack moving (evaluation, a compile)."""
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x = (x * 31 + 7) % 1_000_003
+
+
+def _busy_io(seconds: float, path: str) -> None:
+    """Writes in small pieces with little CPU (a checkpoint to a slow disk)."""
+    end = time.monotonic() + seconds
+    with open(path, "wb") as f:
+        while time.monotonic() < end:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+            time.sleep(0.05)
+
+
+def _marked(seconds: float) -> None:
+    """Waits on something the signals cannot see, calling rd.progress() as it goes."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        rd.progress()
+
+
+def _deadlock() -> None:
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # never returns
+
+
+def _dead_loader() -> None:
+    q: queue.Queue[int] = queue.Queue()
+    while True:
+        try:
+            q.get(timeout=1.0)  # a data loader's poll of a queue nobody fills
+        except queue.Empty:
+            continue
+
+
+def _sleep_loop() -> None:
+    while True:
+        time.sleep(0.2)
+
+
+def _livelock() -> None:
+    """Spins on one line for ever: busy (its CPU time rises), never done."""
+    x = 0
+    while True:
+        x += 1
+
+
+def _stop_self() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def late(rank: int, culprit: int, kind: str, arg: float, tmp: str, cfg: dict[str, Any]) -> Any:
+    """Three all_reduces; before the second, ``culprit`` does ``kind`` for ``arg`` s."""
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
+    t = torch.ones(1)
+    rd.all_reduce(t)
+    t0 = time.monotonic()
+    try:
+        if rank == culprit:
+            if kind == "cpu":
+                _busy_cpu(arg)
+            elif kind == "io":
+                _busy_io(arg, os.path.join(tmp, f"ckpt{rank}"))
+            elif kind == "marks":
+                _marked(arg)
+            elif kind == "deadlock":
+                _deadlock()
+            elif kind == "loader":
+                _dead_loader()
+            elif kind == "sleep":
+                _sleep_loop()
+            elif kind == "livelock":
+                _livelock()
+            elif kind == "stop":
+                _stop_self()
+        t = torch.ones(1)
+        rd.all_reduce(t)
+        rd.all_reduce(t)
+        return {"ok": True, "value": float(t.item()), "waited": time.monotonic() - t0}
+    except rd.RankFailureError as e:
+        return {
+            "ok": False,
+            "type": type(e).__name__,
+            "ranks": list(e.ranks),
+            "waited": time.monotonic() - t0,
+            "message": str(e),
+        }
+    finally:
+        rd.destroy_process_group()
+
+
+def gil_hog(rank: int, culprit: int, n: int, cfg: dict[str, Any]) -> Any:
+    """``culprit`` runs one C call that holds the GIL (``sum(range(n))``: no bytecode
+    runs, so no thread of its process gets the GIL) between two all_reduces; it takes
+    longer than heartbeat_timeout. Returns how long it held the GIL on the culprit."""
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
+    try:
+        t = torch.ones(1)
+        rd.all_reduce(t)
+        held = 0.0
+        if rank == culprit:
+            t0 = time.monotonic()
+            sum(range(n))
+            held = time.monotonic() - t0
+        t = torch.ones(1)
+        rd.all_reduce(t)
+        return {"value": float(t.item()), "held": held}
+    finally:
+        rd.destroy_process_group()

@@ -1,0 +1,158 @@
+"""Progress signals (resilient_ddp._progress): what counts as the main thread moving.
+
+Table tests over a scripted reader and an injected clock (no sleeping), plus the real
+readers of /proc on this process's own threads.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import replace
+
+import pytest
+
+import resilient_ddp as rd
+from resilient_ddp import _progress as pg
+
+BASE = pg.Sample(cpu_s=1.0, state="S", stack=1, io=100, marks=0, gpu=0, where="f() at x.py:1")
+
+
+class Script:
+    """A reader that returns scripted samples and a clock that advances 1 s per sample."""
+
+    def __init__(self, samples: list[pg.Sample]) -> None:
+        self.samples = samples
+        self.i = -1
+        self.t = 0.0
+
+    def read(self) -> pg.Sample:
+        self.i += 1
+        return self.samples[self.i]
+
+    def clock(self) -> float:
+        return self.t
+
+    def run(self) -> pg.Tracker:
+        tr = pg.Tracker(self.read, clock=self.clock)
+        for _ in self.samples:
+            self.t += 1.0
+            tr.observe()
+        return tr
+
+
+def _seq(*changes: dict[str, object]) -> list[pg.Sample]:
+    out, cur = [], BASE
+    for ch in changes:
+        cur = replace(cur, **ch)  # type: ignore[arg-type]
+        out.append(cur)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "samples", "idle", "moving"),
+    [
+        # Nothing moves: a deadlock on a lock, a dead data loader's queue.get.
+        ("frozen", _seq({}, {}, {}, {}, {}), 4.0, ()),
+        # CPU rising by half a core a second: a Python loop or a C call.
+        ("cpu", _seq({}, {"cpu_s": 1.5}, {"cpu_s": 2.0}, {"cpu_s": 2.5}), 0.0, ("cpu",)),
+        # A poll loop: a tick of CPU now and then is not work.
+        ("poll", _seq({}, {"cpu_s": 1.01}, {"cpu_s": 1.02}, {"cpu_s": 1.03}), 3.0, ()),
+        # New stacks: work with little CPU.
+        ("stack", _seq({}, {"stack": 2}, {"stack": 3}, {"stack": 4}), 0.0, ("stack",)),
+        # A sleep-and-check loop cycles through two stacks: not progress after the first.
+        (
+            "cycle",
+            _seq({}, {"stack": 2}, {"stack": 1}, {"stack": 2}, {"stack": 1}),
+            3.0,
+            ("stack",),
+        ),
+        # I/O moving (a checkpoint written, a shard read).
+        ("io", _seq({}, {"io": 200}, {"io": 300}), 0.0, ("io",)),
+        # Blocked on a slow disk (uninterruptible sleep).
+        ("disk", _seq({}, {"state": "D"}, {"state": "D"}), 0.0, ("disk",)),
+        ("marks", _seq({}, {"marks": 1}, {"marks": 1}), 1.0, ("marks",)),
+        ("gpu", _seq({}, {"gpu": 1}, {"gpu": 2}), 0.0, ("gpu",)),
+        # Unreadable /proc: CPU and I/O never count.
+        ("unreadable", _seq({"cpu_s": -1.0, "io": -1}, {}, {}), 2.0, ()),
+    ],
+)
+def test_what_counts_as_moving(
+    case: str, samples: list[pg.Sample], idle: float, moving: tuple[str, ...]
+) -> None:
+    tr = Script(samples).run()
+    assert tr.idle() == pytest.approx(idle), case
+    assert tr.moving == moving, case
+
+
+def test_restart_counts_idleness_from_now() -> None:
+    s = Script(_seq({}, {}, {}, {}))
+    tr = pg.Tracker(s.read, clock=s.clock)
+    for _ in range(3):
+        s.t += 1.0
+        tr.observe()
+    assert tr.idle() == pytest.approx(2.0)
+    tr.restart()
+    s.t += 1.0
+    tr.observe()
+    assert tr.idle() == pytest.approx(1.0)
+
+
+def test_progress_marks_are_seen() -> None:
+    before = pg._marks[0]
+    rd.progress()
+    rd.progress()
+    assert pg._marks[0] == before + 2
+
+
+def test_describe() -> None:
+    assert pg.describe(("cpu", "io")) == "its CPU time still rising, its I/O moving"
+
+
+def _spin(stop: threading.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        x += 1
+
+
+def test_real_readers_see_a_spinning_thread_and_a_blocked_one() -> None:
+    """The /proc readers on two threads of this process: one spins, one waits on a lock."""
+    stop = threading.Event()
+    lock = threading.Lock()
+    lock.acquire()
+    spinner = threading.Thread(target=_spin, args=(stop,))
+    blocked = threading.Thread(target=lock.acquire)
+    spinner.start()
+    blocked.start()
+    try:
+        assert spinner.native_id is not None
+        assert blocked.native_id is not None
+        _, cpu0 = pg.read_stat(spinner.native_id)
+        state_b, cpu_b0 = pg.read_stat(blocked.native_id)
+        # Spin until the spinner has used measurable CPU (no sleep: poll its own counter).
+        cpu1 = cpu0
+        for _ in range(10_000_000):
+            _, cpu1 = pg.read_stat(spinner.native_id)
+            if cpu1 - cpu0 >= 0.05:
+                break
+        assert cpu1 - cpu0 >= 0.05
+        state_b, cpu_b1 = pg.read_stat(blocked.native_id)
+        assert state_b == "S"
+        assert cpu_b1 - cpu_b0 < 0.05
+        assert pg.read_io(blocked.native_id) >= 0
+    finally:
+        stop.set()
+        lock.release()
+        spinner.join()
+        blocked.join()
+
+
+def test_fingerprint_and_where_of_this_frame() -> None:
+    frame = sys._getframe()
+    caller = frame.f_back  # its line does not move while this test runs
+    assert caller is not None
+    a = pg.fingerprint(caller)
+    assert a == pg.fingerprint(caller)
+    assert a != pg.fingerprint(caller.f_back)
+    here = pg.where(frame, internal=lambda f: False)
+    assert here.startswith("test_fingerprint_and_where_of_this_frame() at test_progress_unit.py:")
