@@ -1012,19 +1012,26 @@ def _keep_out_of_dynamo() -> None:
     process; DDP's constructor has imported dynamo by then).
 
     Traced, each clock read, lock, thread-local and future of the library is a graph break
-    (22 for a step of a small MLP, against DDP's 3). So the compiled forward makes one call
-    that dynamo skips (``recursive=False``: what it calls is still traced, the wrapped
+    (19 over three steps of a small MLP, against DDP's 3). So the compiled forward calls
+    :func:`_forward`, whose frame dynamo skips (what it calls is still traced, the wrapped
     module's forward included, as under DDP), and the library's methods that it or DDP's
     forward calls (before and after DDP's part, the buffer broadcast) run with dynamo off.
+
+    ``_forward`` is marked with dynamo's ``skip`` (its code is skipped at no cost per call)
+    where torch has it; ``torch.compiler.disable(recursive=False)`` does the same, but runs
+    dynamo's frame conversion on every call (measured: +0.6 ms per forward and +2 ms per
+    backward pass of a 0.26 M-parameter MLP, against +0.1 ms and none with ``skip``).
     """
     global _dynamo_bypass
     if _dynamo_bypass is not None:
         return
     hide = torch.compiler.disable
+    skip = getattr(getattr(torch._dynamo, "decorators", None), "skip", None)
+    run = skip(_forward) if skip is not None else hide(_forward, recursive=False)  # type: ignore[no-untyped-call]
     broadcast_buffers = ResilientDDP.__dict__["_default_broadcast_coalesced"]
     type.__setattr__(ResilientDDP, "_default_broadcast_coalesced", hide(broadcast_buffers))  # type: ignore[no-untyped-call]
     _dynamo_bypass = (
-        hide(_forward, recursive=False),  # type: ignore[no-untyped-call]
+        run,
         hide(ResilientDDP._rd_before),  # type: ignore[no-untyped-call]
         hide(ResilientDDP._rd_after),  # type: ignore[no-untyped-call]
     )
