@@ -131,3 +131,36 @@ def gil_hog(rank: int, culprit: int, n: int, cfg: dict[str, Any]) -> Any:
         return {"value": float(t.item()), "held": held}
     finally:
         rd.destroy_process_group()
+
+
+def ddp_loop(rank: int, culprit: int, kind: str, seconds: float, cfg: dict[str, Any]) -> Any:
+    """Six ResilientDDP steps; at step 3 ``culprit`` evaluates alone (``kind="eval"``, a
+    CPU-bound loop outside any section, as rank-0-only evaluation inside a training loop
+    is) or deadlocks (``kind="deadlock"``). Returns the final weights or the error."""
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
+    torch.manual_seed(0)
+    model = rd.ResilientDDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t0 = time.monotonic()
+    try:
+        for step in range(6):
+            if step == 3 and rank == culprit:
+                if kind == "eval":
+                    _busy_cpu(seconds)
+                else:
+                    _deadlock()
+            opt.zero_grad()
+            x = torch.full((4, 8), float(rank + step))
+            model(x).sum().backward()
+            opt.step()
+        return {"ok": True, "weight": model.module.weight.detach().tolist()}
+    except rd.RankFailureError as e:
+        return {
+            "ok": False,
+            "type": type(e).__name__,
+            "ranks": list(e.ranks),
+            "waited": time.monotonic() - t0,
+            "message": str(e),
+        }
+    finally:
+        rd.destroy_process_group()

@@ -110,3 +110,24 @@ def test_a_c_call_holding_the_gil_is_not_called_dead() -> None:
     assert values[0]["held"] > 1.5, values  # longer than heartbeat_timeout
     for v in values:
         assert v["value"] == 3.0, values
+
+
+def test_rank0_only_evaluation_inside_a_resilientddp_loop_completes() -> None:
+    """Rank 0 evaluates alone for 9 s (3x the stuck window) between two steps, outside
+    any section: the others wait in their gradient reduction, and every rank ends with
+    the same weights, as under plain DDP."""
+    values = _values(_run(b.ddp_loop, 0, "eval", 9.0, {}))
+    for v in values:
+        assert v["ok"], values
+        assert v["weight"] == values[0]["weight"], values
+
+
+def test_a_deadlocked_rank_in_a_resilientddp_loop_is_named_in_seconds() -> None:
+    values = _values(_run(b.ddp_loop, 1, "deadlock", 0.0, {}))
+    for r, v in enumerate(values):
+        assert not v["ok"], (r, v)
+        assert v["ranks"] == [1], (r, v)
+        if r != 1:
+            assert v["type"] == "CollectiveTimeoutError", (r, v)
+            assert "lock.acquire()" in v["message"], v["message"]
+            assert v["waited"] < NAMED_WITHIN_S, (r, v)

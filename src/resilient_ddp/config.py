@@ -207,6 +207,15 @@ class ResilienceConfig(_Model):
         then it is a hard limit of every collective, a busy rank included."""
         return bool({"op_timeout", "op_budget"} & self.model_fields_set)
 
+    def op_bounds(self) -> tuple[timedelta | None, timedelta | None]:
+        """``(timeout, budget)`` for an op bounded by this config: its ``op_timeout`` and
+        effective op budget when a limit was set (:attr:`op_limit_set`), else
+        ``(None, None)``, so that the op follows the runtime's config and waits for a busy
+        rank up to ``busy_timeout``."""
+        if self.op_limit_set:
+            return self.op_timeout, self.effective_op_budget
+        return None, None
+
     @property
     def base_stuck_window(self) -> float:
         """The stuck window before any learning (seconds): ``stuck_window`` if set, else

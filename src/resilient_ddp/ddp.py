@@ -38,7 +38,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
-from . import _runtime, elastic
+from . import _progress, _runtime, elastic
 from ._backend import nccl_version
 from ._runtime import PendingOp, Runtime
 from .collectives import Op, all_gather_object, all_reduce, broadcast
@@ -312,6 +312,9 @@ class ResilientDDP(DistributedDataParallel):
 
     def _rd_after(self, output: Any) -> Any:
         """The library's part of a forward pass after DDP's."""
+        if getattr(self, "device_type", "") == "cuda":
+            # A progress signal: the watchdog counts completed events (never waits).
+            _progress.cuda_progress.record()
         return self._rd_watch_backward(output)
 
     def _rd_notify_join(self) -> Any:
@@ -388,12 +391,12 @@ class ResilientDDP(DistributedDataParallel):
         if not self._rd_bucket_sync_due or not torch.is_grad_enabled():
             return
         self._rd_bucket_sync_due = False
-        cfg = self._rd_config
+        timeout, budget = self._rd_config.op_bounds()
         op = Op(
             "ddp_bucket_layout",
             group=self._rd_group,
-            timeout=cfg.op_timeout,
-            budget=cfg.effective_op_budget,
+            timeout=timeout,
+            budget=budget,
             retry=1,
             validate=False,
         )
@@ -436,14 +439,15 @@ class ResilientDDP(DistributedDataParallel):
         for t in tensors:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
         group = self._rd_group
+        timeout, budget = self._rd_config.op_bounds()
         for same in by_dtype.values():
             flat = _flatten(same)
             broadcast(
                 flat,
                 src=authoritative_rank,
                 group=group,
-                timeout=self._rd_config.op_timeout,
-                budget=self._rd_config.effective_op_budget,
+                timeout=timeout,
+                budget=budget,
                 validate=False,
             )
             for t, synced in zip(same, _unflatten(flat, same), strict=True):
@@ -1082,11 +1086,10 @@ def _check_agreement(
     rt: Runtime, cfg: ResilienceConfig, module: nn.Module, args: Any, kwargs: Any, group: Any
 ) -> None:
     params = _param_table(module)
+    timeout, budget = cfg.op_bounds()
     digest = hashlib.blake2b(repr(params).encode(), digest_size=8).hexdigest()
     mine = {"env": _environment(rt, module, args, kwargs), "digest": digest, "params": params}
-    rows = all_gather_object(
-        mine, group=group, timeout=cfg.op_timeout, budget=cfg.effective_op_budget, validate=False
-    )
+    rows = all_gather_object(mine, group=group, timeout=timeout, budget=budget, validate=False)
     problems: list[str] = []
     table: dict[int, dict[str, str]] = {}
     for r, row in enumerate(rows):
@@ -1180,12 +1183,12 @@ def _resilient_hook(
         # still holds this rank's local gradients) and a tensor of its size.
         ddp._rd_buckets.append((result, bucket.parameters(), tensor))
     try:
-        cfg = ddp._rd_config
+        timeout, budget = ddp._rd_config.op_bounds()
         op = Op(
             f"ddp_bucket{bucket.index()}",
             group=ddp._rd_group,
-            timeout=cfg.op_timeout,
-            budget=cfg.effective_op_budget,
+            timeout=timeout,
+            budget=budget,
             retry=1,
             validate=False,
         )
