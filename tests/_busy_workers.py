@@ -136,7 +136,8 @@ def gil_hog(rank: int, culprit: int, n: int, cfg: dict[str, Any]) -> Any:
 def ddp_loop(rank: int, culprit: int, kind: str, seconds: float, cfg: dict[str, Any]) -> Any:
     """Six ResilientDDP steps; at step 3 ``culprit`` evaluates alone (``kind="eval"``, a
     CPU-bound loop outside any section, as rank-0-only evaluation inside a training loop
-    is) or deadlocks (``kind="deadlock"``). Returns the final weights or the error."""
+    is), deadlocks (``kind="deadlock"``) or does nothing more (any other kind). Returns
+    the final weights or the error."""
     rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
     torch.manual_seed(0)
     model = rd.ResilientDDP(torch.nn.Linear(8, 1))
@@ -147,7 +148,7 @@ def ddp_loop(rank: int, culprit: int, kind: str, seconds: float, cfg: dict[str, 
             if step == 3 and rank == culprit:
                 if kind == "eval":
                     _busy_cpu(seconds)
-                else:
+                elif kind == "deadlock":
                     _deadlock()
             opt.zero_grad()
             x = torch.full((4, 8), float(rank + step))

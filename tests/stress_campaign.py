@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The tests that kill, raise, stop, hang and diverge ranks, under every launcher.
 FAULT_FILES = (
+    "tests/test_busy_mp.py",
     "tests/test_collectives_mp.py",
     "tests/test_ddp_mp.py",
     "tests/test_elastic_mp.py",

@@ -75,6 +75,8 @@ class Sample:
         marks: :func:`progress` calls so far.
         gpu: Tracked CUDA events completed so far.
         where: Its innermost frame outside the library, ``"fn() at file.py:41"``.
+        inside: Whether its innermost frame is the library's own (it waits in one of the
+            library's bounded waits: elastic recovery, an admission, a state transfer).
     """
 
     cpu_s: float
@@ -84,6 +86,7 @@ class Sample:
     marks: int
     gpu: int
     where: str
+    inside: bool = False
 
 
 def _task_path(tid: int, name: str) -> str:
@@ -282,15 +285,24 @@ class WaitHistory:
         return max(base, self.MARGIN * q95)
 
 
+def inside(frame: FrameType | None, ours: Callable[[str], bool]) -> bool:
+    """Whether the innermost frame from ``frame`` outside ``threading`` (a wait on an
+    event or a lock goes through it) is in a file that is ``ours``."""
+    while frame is not None and frame.f_code.co_filename == threading.__file__:
+        frame = frame.f_back
+    return frame is not None and ours(frame.f_code.co_filename)
+
+
 def sampler(
-    main_ident: int, main_tid: int, internal: Callable[[str], bool]
+    main_ident: int, main_tid: int, internal: Callable[[str], bool], ours: Callable[[str], bool]
 ) -> Callable[[], Sample]:
     """The reader of this process's main thread for a :class:`Tracker`.
 
     Args:
         main_ident: ``threading.get_ident()`` of the main thread (for its frame).
         main_tid: Its kernel thread id (``threading.get_native_id()``, for ``/proc``).
-        internal: Whether a file is the library's own (skipped by ``where``).
+        internal: Whether a file is skipped by ``where`` (the library's, ``threading``).
+        ours: Whether a file is the library's own (for ``inside``).
     """
 
     def read() -> Sample:
@@ -304,6 +316,7 @@ def sampler(
             marks=_marks[0],
             gpu=cuda_progress.completed(),
             where=where(frame, internal),
+            inside=inside(frame, ours),
         )
 
     return read

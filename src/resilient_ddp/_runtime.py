@@ -125,6 +125,7 @@ class PendingOp:
         "backend_error",
         "done",
         "event",
+        "failed",
         "future",
         "hold",
         "name",
@@ -149,6 +150,9 @@ class PendingOp:
         self.future = future
         self.result_fn = result_fn
         self.settled = threading.Lock()
+        # fail_future failed the async future (a completion of the backend after it is
+        # not delivered: the waiting thread must raise, see Op.wait_pending).
+        self.failed = False
         # Elastic training settles the future itself after recovery (a redone reduction):
         # failures only wake the waiting thread.
         self.hold = False
@@ -181,6 +185,7 @@ class PendingOp:
     def fail_future(self, error: BaseException) -> None:
         """Fail the async future (once); blocking waiters are woken through :attr:`event`."""
         if self.future is not None and not self.hold and self.settled.acquire(blocking=False):
+            self.failed = True
             self.future.set_exception(error)
         self.event.set()
 
@@ -218,7 +223,7 @@ class Runtime:
         # watchdog at each tick, published as "idle"), and how long this rank's ops
         # usually wait (the stuck window follows them).
         self.liveness = _progress.Tracker(
-            _progress.sampler(main.ident or 0, main.native_id or 0, _is_internal)
+            _progress.sampler(main.ident or 0, main.native_id or 0, _is_internal, _is_ours)
         )
         self.waits = _progress.WaitHistory()
         self._op_t0 = 0.0  # time.monotonic() when the current op (or DDP pass) began
@@ -448,6 +453,7 @@ class Runtime:
             "idle": round(self.liveness.idle(), 2),
             "moving": list(self.liveness.moving),
             "where": self.liveness.last.where if self.liveness.last is not None else "",
+            "inside": self.liveness.last.inside if self.liveness.last is not None else False,
             "raised": self.raised,
             "t": time.time(),
         }
@@ -481,6 +487,16 @@ class Runtime:
         if self.store_stalled() and self._store_lost():
             return True
         return any(ev.get("final_seq", -1) < seq for ev in self.left.values())
+
+    def store_answering(self) -> bool:
+        """Whether the watchdog completed a tick within two heartbeat intervals and a
+        second (or there is no watchdog): a store call from the main thread (a diagnosis)
+        is then unlikely to block on a store that stopped answering, which torch's TCPStore
+        client does not bound."""
+        if not self.watchdog_tick:
+            return True
+        recent = 2 * self.config.heartbeat_interval.total_seconds() + 1.0
+        return time.monotonic() - self.watchdog_tick <= recent
 
     def store_stalled(self) -> bool:
         """Whether the watchdog has not completed a tick for longer than a peer may stay
@@ -1096,6 +1112,9 @@ class Runtime:
                     moving = beat.get("moving")
                     extra["moving"] = [str(m) for m in moving] if isinstance(moving, list) else []
                     extra["where"] = str(beat.get("where", ""))
+                    # In one of the library's own waits (elastic recovery, an admission):
+                    # bounded by the library, not judged by progress.
+                    extra["inside"] = bool(beat.get("inside")) or s.get("phase") == RECOVERY_PHASE
                 if beat.get("section_left") is not None:
                     # Wall-clock end of its section's budget, as of its last heartbeat.
                     extra["busy_until"] = float(beat.get("t", 0)) + float(beat["section_left"])
@@ -1411,6 +1430,12 @@ def _is_internal(filename: str) -> bool:
     path = os.path.abspath(filename)
     if path == _THREADING_FILE:
         return True
+    return _is_ours(path)
+
+
+def _is_ours(filename: str) -> bool:
+    """Whether ``filename`` is one of the library's modules (not a user-facing one)."""
+    path = os.path.abspath(filename)
     return path.startswith(_PACKAGE_DIR) and not path.endswith(_USER_FACING)
 
 

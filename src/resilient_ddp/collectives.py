@@ -550,6 +550,11 @@ class Op:
                 # notice a watchdog whose store calls stopped returning (failed_for).
                 p.event.wait(max(0.0, min(slice_end, self.deadline, now + _MAX_SLICE_S) - now))
                 if p.done and p.backend_error is None:
+                    if p.failed:
+                        # The watchdog failed the op's future before the backend completed
+                        # it: its consumer (DDP's finalize) gets that error, so must we,
+                        # typed (else the reducer's "Unable to cast ... to Tensor" wins).
+                        raise rt.build_error(self.name, self.seq)
                     return
                 if rt.failed_for(self.seq):
                     raise rt.build_error(self.name, self.seq) from p.backend_error
@@ -645,6 +650,11 @@ class Op:
             if rt.failed_for(self.seq):
                 raise rt.build_error(self.name, self.seq)
             self.raise_timeout(culprits)
+        if not rt.store_answering() and time.monotonic() < self.deadline:
+            # The watchdog's store calls are not returning: a diagnosis from this thread
+            # could block for good. Wait on: failed_for decides whether the control plane
+            # is lost (or the store only fell behind) within heartbeat_timeout.
+            return time.monotonic() + rt.config.heartbeat_interval.total_seconds()
         culprits = rt.diagnose(rt.control, self.name, self.seq)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq)
@@ -730,6 +740,7 @@ class Op:
         idle = c.get("idle")
         return (
             c.get("blame") == "NEVER_ARRIVED_IDLE"
+            and not c.get("inside")
             and isinstance(idle, float)
             and idle < self.window_s
         )
@@ -744,6 +755,7 @@ class Op:
             if (
                 c.get("blame") == "NEVER_ARRIVED_IDLE"
                 and c.get("alive", False)
+                and not c.get("inside")  # in the library's own bounded wait
                 and c.get("busy_until") is None
                 and isinstance(idle, float)
                 and idle >= self.window_s

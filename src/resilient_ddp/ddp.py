@@ -90,6 +90,7 @@ _LOCAL_STATE = (
     "_rd_beat_at",
     "_rd_join_work",
     "_rd_div",
+    "_rd_hook_name",
 )
 # Reducers (with DDP's logger) whose bucket exchange is still stuck in the backend; see
 # ResilientDDP._rd_rebuild_reducer.
@@ -217,6 +218,7 @@ class ResilientDDP(DistributedDataParallel):
         self._rd_beat_at = 0.0  # time.monotonic() of the last step-boundary heartbeat
         self._rd_join_work: Any = None  # this forward pass's join notification
         self._rd_div: int | None = None  # this pass's divide factor (_rd_divide_factor)
+        self._rd_hook_name: str | None = None  # the user's comm hook, as DDP's logs name it
         self._rd_register_own_hook()
         _keep_out_of_dynamo()
         _install_optimizer_hooks()
@@ -505,7 +507,8 @@ class ResilientDDP(DistributedDataParallel):
             RuntimeError: A hook was already registered (the reducer's own error).
         """
         self._check_comm_hook(hook)  # type: ignore[no-untyped-call]
-        self._rd_logger()._set_comm_hook_name(hook.__qualname__)
+        self._rd_hook_name = hook.__qualname__
+        self._rd_logger()._set_comm_hook_name(self._rd_hook_name)
         self._comm_hooks.append((hook, state))
         if self._rd_inner_hook is not None:
             # The reducer holds the library's hook: it refuses another with DDP's error.
@@ -530,7 +533,8 @@ class ResilientDDP(DistributedDataParallel):
         """
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        self._rd_logger()._set_comm_hook_name(str(comm_hook_type))
+        self._rd_hook_name = str(comm_hook_type)
+        self._rd_logger()._set_comm_hook_name(self._rd_hook_name)
         builtin = {
             dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
             dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
@@ -692,9 +696,11 @@ class ResilientDDP(DistributedDataParallel):
         """Rebuild DDP's reducer in place on the current default group: the
         object, ``.module`` and the optimizer stay; states already agree, so no sync."""
         self._rd_release_stuck_reducer()
-        # What DDP reports about the user's hook (which _rd_inner_hook still holds).
+        # What DDP reports about the user's hook (which _rd_inner_hook still holds). Not
+        # read from the old logger: a call into it here froze the rebuild (ranks stuck in
+        # recovery for good in the elastic fault matrix); the name is kept on the side.
         hooks = self._comm_hooks
-        hook_name = _hook_name(getattr(self, "logger", None))  # no reference to the logger
+        hook_name = self._rd_hook_name
         for name in ("reducer", "logger"):
             if hasattr(self, name):
                 delattr(self, name)
@@ -970,13 +976,6 @@ def make_resilient(
 
         bound()
     return adopted
-
-
-def _hook_name(logger: dist.Logger | None) -> str | None:
-    """The comm hook name in DDP's logging data, if any. A function of its own, so that no
-    frame of the caller keeps the logger (and through it the old reducer) alive: the
-    reducer must go where __del__ and release_retired say (see ResilientDDP.__del__)."""
-    return None if logger is None else logger._get_ddp_logging_data().strs_map.get("comm_hook")
 
 
 def _forward(
