@@ -28,7 +28,6 @@ Usage: ``python benchmarks/bench_busy.py [--runs N] [--launchers spawn,torchrun,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -127,9 +126,17 @@ def _processes(worker: str, args: list[Any], launcher: str, env: dict[str, str])
                 for r in range(WORLD)
             ]
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        peers_done: float | None = None
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            # A stopped or hung culprit never ends by itself: once every peer wrote its
+            # result, it gets a few seconds, then is killed (with torchrun's agent).
+            if peers_done is None and all(
+                (Path(out) / f"rank{r}.json").exists() for r in range(WORLD) if r != CULPRIT
+            ):
+                peers_done = time.monotonic()
+            if peers_done is not None and time.monotonic() - peers_done > 3.0:
+                break
+            time.sleep(0.2)
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
@@ -268,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         command += f" --runs {runs} --hang-runs {hang_runs} --launchers {','.join(launchers)}"
     if args.before is not None:
-        command += " --before <checkout of 15e597a>/src"
+        command += " --before <checkout of ec73c0c>/src"
     after = trials[0]
     alarms = sum(c["false_alarms"] for per in after["busy"].values() for c in per.values())
     cases = sum(c["runs"] for per in after["busy"].values() for c in per.values())

@@ -572,7 +572,11 @@ def render_busy(data: dict[str, Any]) -> list[str]:
         "to be named; set to 5 s to name hangs quickly, it failed the healthy jobs whose "
         "rank is busy longer than that. Now a rank is judged by its progress signals: a "
         "busy one is waited for (up to `busy_timeout`, 30 min) and a stuck one is named "
-        "about one stuck window (3 s) and one heartbeat interval after it stopped.",
+        "about one stuck window (3 s) and one heartbeat interval after it stopped. The "
+        "`stop` row under `env` is another failure: there the stopped rank 0 hosts the "
+        "store, so the control plane stops with it and the peers raise `ControlPlaneError` "
+        "(no culprit) after `store_timeout`, as the failure model's 'A store that falls "
+        "behind' says; the benchmark counts that as not named.",
         "",
     ]
     return lines
