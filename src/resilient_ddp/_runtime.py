@@ -1126,7 +1126,13 @@ class Runtime:
                         info=info,
                         state=s,
                         stack=s.get("stack"),
-                        alive=answered or running or (fresh and not self.is_stopped(r)),
+                        # A process on this host that exists and is not stopped counts
+                        # as alive even with a stale heartbeat (it may have just left a
+                        # C call that held the GIL): whether it is dead is the watchdog's
+                        # verdict, within heartbeat_timeout (see _check_heartbeats).
+                        alive=answered
+                        or running
+                        or (not stopped and (fresh or (self.is_local(r) and not self.is_gone(r)))),
                         **extra,
                     )
                 )
