@@ -98,6 +98,19 @@ def test_restart_counts_idleness_from_now() -> None:
     assert tr.idle() == pytest.approx(1.0)
 
 
+def test_a_baseline_ignores_the_stack_but_not_cpu_time() -> None:
+    """After a collective the stack changed because the thread left it (not work), but
+    CPU time used meanwhile (a C call that held the GIL, no sample possible) is work."""
+    for change, idle in (({"stack": 2, "io": 999}, 1.0), ({"cpu_s": 3.0}, 0.0)):
+        s = Script(_seq({}, change))
+        tr = pg.Tracker(s.read, clock=s.clock)
+        s.t += 1.0
+        tr.observe()
+        s.t += 1.0
+        tr.observe(baseline=True)
+        assert tr.idle() == pytest.approx(idle), change
+
+
 def test_progress_marks_are_seen() -> None:
     before = pg._marks[0]
     rd.progress()

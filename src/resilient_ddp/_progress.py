@@ -214,6 +214,11 @@ class Tracker:
                 self._stacks.append(s.stack)
             if prev is None:
                 self.moved_t = now
+            elif s.cpu_s >= 0 and prev.cpu_s >= 0 and s.cpu_s - prev.cpu_s >= CPU_SHARE * elapsed:
+                # CPU time used since is work all the same (a C call that held the GIL
+                # from the op's end until now: no sample could be taken in between).
+                self.moved_t = now
+                self.moving = ("cpu",)
             return s
         moved = []
         if s.cpu_s >= 0 and prev.cpu_s >= 0 and s.cpu_s - prev.cpu_s >= CPU_SHARE * elapsed:
