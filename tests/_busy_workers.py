@@ -14,6 +14,15 @@ import torch
 
 import resilient_ddp as rd
 
+from ._workers import error_summary
+
+
+def _failed(e: BaseException, t0: float) -> dict[str, Any]:
+    """A rank's error as the tests read it (error_summary's fields; ``waited``: seconds
+    from ``t0``, just before the fault, to the error)."""
+    summary = error_summary(e, t0)
+    return {"ok": False, "waited": summary["elapsed"], **summary}
+
 
 def _busy_cpu(seconds: float) -> None:
     """A CPU-bound Python loop, its stack moving (evaluation, a compile)."""
@@ -102,13 +111,7 @@ def late(rank: int, culprit: int, kind: str, arg: float, tmp: str, cfg: dict[str
         rd.all_reduce(t)
         return {"ok": True, "value": float(t.item()), "waited": time.monotonic() - t0}
     except rd.RankFailureError as e:
-        return {
-            "ok": False,
-            "type": type(e).__name__,
-            "ranks": list(e.ranks),
-            "waited": time.monotonic() - t0,
-            "message": str(e),
-        }
+        return _failed(e, t0)
     finally:
         rd.destroy_process_group()
 
@@ -156,12 +159,6 @@ def ddp_loop(rank: int, culprit: int, kind: str, seconds: float, cfg: dict[str, 
             opt.step()
         return {"ok": True, "weight": model.module.weight.detach().tolist()}
     except rd.RankFailureError as e:
-        return {
-            "ok": False,
-            "type": type(e).__name__,
-            "ranks": list(e.ranks),
-            "waited": time.monotonic() - t0,
-            "message": str(e),
-        }
+        return _failed(e, t0)
     finally:
         rd.destroy_process_group()
