@@ -307,7 +307,9 @@ def reference(n: int) -> tuple[list[int], list[torch.Tensor]]:
     return [int(t.argmax()) for t in logits], logits
 
 
-def inference(rank: int, n: int, fail_at: int | None, pause: float = 0.0) -> Any:
+def inference(
+    rank: int, n: int, fail_at: int | None, pause: float = 0.0, on_rank_failure: str = "redo"
+) -> Any:
     """Evaluate ``model()`` over ``Items(n)``; rank 2 raises at its batch ``fail_at``, or
     sleeps ``pause`` seconds in each of its batches."""
     _init(FAST)
@@ -336,6 +338,7 @@ def inference(rank: int, n: int, fail_at: int | None, pause: float = 0.0) -> Any
             batch_size=4,
             costs=[data.cost(i) for i in range(n)],
             progress=lambda done, total: calls.append((done, total)),
+            on_rank_failure=on_rank_failure,  # type: ignore[arg-type]
         )
         if rank != 0:
             return {"none": out is None, "batches": batches[0], "items": items[0]}

@@ -33,6 +33,7 @@ from .errors import (
     ConfigError,
     ControlPlaneError,
     Culprit,
+    ItemFailureError,
     PreflightError,
     RankFailureError,
     RankOutcome,
@@ -41,7 +42,14 @@ from .errors import (
     SpawnError,
 )
 from .gather import gather_to_rank0
-from .inference import distributed_inference
+from .inference import (
+    InferenceItemFailure,
+    InferenceSummary,
+    distributed_inference,
+    iter_inference,
+    last_inference_summary,
+    load_inference_results,
+)
 from .launch import spawn
 from .process_group import destroy_process_group, init_process_group, is_initialized
 from .sampler import BalancedDistributedSampler, LockstepBatchSampler
@@ -60,6 +68,9 @@ __all__ = [
     "ElasticDataLoader",
     "ElasticDistributedSampler",
     "ElasticParticipant",
+    "InferenceItemFailure",
+    "InferenceSummary",
+    "ItemFailureError",
     "LockstepBatchSampler",
     "PreflightError",
     "RankFailureError",
@@ -88,7 +99,10 @@ __all__ = [
     "get_config",
     "init_process_group",
     "is_initialized",
+    "iter_inference",
+    "last_inference_summary",
     "load_and_broadcast",
+    "load_inference_results",
     "make_resilient",
     "phase",
     "progress",

@@ -39,6 +39,7 @@ __all__ = [
     "ConfigError",
     "ControlPlaneError",
     "Culprit",
+    "ItemFailureError",
     "PreflightError",
     "RankFailureError",
     "RankOutcome",
@@ -468,3 +469,27 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+class ItemFailureError(ResilientDDPError, RuntimeError):
+    """Raised on rank 0 by :func:`resilient_ddp.distributed_inference` when items could
+    not be run: their ``fn`` raised on ``max_item_failures`` different ranks (poison items),
+    or no rank that may still run them was left. Every other item's result is kept.
+
+    Attributes:
+        failures: One :class:`resilient_ddp.InferenceItemFailure` per poison item, by index:
+            ``index``, ``exc_type``, ``message``, ``ranks``.
+        results: The results, one per dataset item, ``None`` for the poison items.
+    """
+
+    def __init__(self, message: str, *, failures: Sequence[Any] = (), results: Any = None):
+        super().__init__(message)
+        self.failures: tuple[Any, ...] = tuple(failures)
+        self.results = results
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_item_failure, (str(self), self.failures, self.results))
+
+
+def _rebuild_item_failure(message: str, failures: Any, results: Any) -> ItemFailureError:
+    return ItemFailureError(message, failures=failures, results=results)

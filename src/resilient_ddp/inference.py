@@ -1,10 +1,19 @@
-"""Distributed inference in one call: balanced shards, a global progress bar, ordered results.
+"""Distributed inference that finishes: work pulled in chunks, a failed rank's share redone.
 
-:func:`distributed_inference` shards a dataset with :class:`BalancedDistributedSampler`
-(each item exactly once, per-rank cost balanced), runs a function on each local batch with
-no collective between batches, shows on rank 0 the progress of *all* ranks (read from the
-heartbeats every rank already publishes, not from per-batch collectives), and gathers the
-results to rank 0 in dataset order with :func:`gather_to_rank0`.
+:func:`distributed_inference` and :func:`iter_inference` group the dataset's items into
+chunks (by cost when costs are given, heaviest first; by count otherwise). Every rank pulls
+chunks from the control plane as it finishes the last one (one ``add`` and one
+``multi_set`` on the store per chunk, see :mod:`resilient_ddp._work_pool`), runs ``fn`` on
+each chunk in batches, and delivers the chunk's results; rank 0 collects them in dataset
+order. A rank that dies, hangs (no progress for the stuck window while holding a chunk),
+is stopped, or raises gives its chunks back to the pool, once, and the others redo them;
+an item whose ``fn`` raised on ``max_item_failures`` ranks is a poison item, reported and
+never retried again. With ``output_dir`` each chunk is a file of its own, and a job
+restarted on the folder (any world size) skips the chunks already written.
+
+``on_rank_failure="raise"`` keeps the behaviour from before: balanced shares planned with
+:class:`BalancedDistributedSampler`, one final gather with :func:`gather_to_rank0`, and
+any failure raised on every rank.
 
 A :class:`ResilientDDP` model may be called inside ``fn``: while the loop runs, its
 forward calls the wrapped module directly, without DDP's per-forward buffer broadcast, which
@@ -14,29 +23,115 @@ buffers silently mixed between ranks).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence, Sized
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
 
+from . import _control as ctl
+from . import _events
+from . import _work_pool as wp
+from ._progress import progress as _mark_progress
 from ._runtime import Runtime
 from ._wire import to_cpu
 from .collectives import Duration, Op
-from .errors import ConfigError
+from .errors import ConfigError, ItemFailureError, ResilientDDPError
 from .gather import gather_to_rank0
 from .process_group import ensure_runtime
 from .sampler import BalancedDistributedSampler
 
-__all__ = ["distributed_inference"]
+__all__ = [
+    "InferenceItemFailure",
+    "InferenceSummary",
+    "distributed_inference",
+    "iter_inference",
+    "last_inference_summary",
+    "load_inference_results",
+]
+
+log = logging.getLogger("resilient_ddp")
 
 ProgressArg = bool | Callable[[int, int], None]
+OnRankFailure = Literal["redo", "raise"]
 _REFRESH_S = 0.5
+_ITEM_WARNINGS = 5  # fn failures a rank logs; further ones are counted only
+InferenceItemFailure = wp.InferenceItemFailure
+
+
+@dataclass(frozen=True)
+class InferenceSummary:
+    """What one inference call did, as rank 0 saw it (see :func:`last_inference_summary`).
+
+    Attributes:
+        items: Items in the dataset.
+        items_done: Items with a result (this call's and, when resumed, earlier ones').
+        resumed_items: Items found already written in ``output_dir`` (not run again).
+        chunks: Chunks run in this call (chunks found written are not counted).
+        chunks_redone: Redo entries run because a rank failed or an item raised.
+        redone: One dict per piece of work given back: ``ticket``, ``chunk``, ``rank``,
+            ``why`` (``"rank 2 died"``, ``"rank 1 hung ..."``, ``"item 7 raised ..."``),
+            ``items``.
+        failed_ranks: Rank -> why rank 0 gave up on it.
+        poison: The items whose ``fn`` raised on ``max_item_failures`` ranks (or that no
+            rank was left to run), with index, exception type, message and ranks.
+        wall_s: Seconds from the start of the call to its end, on rank 0.
+        ideal_s: The sum of the chunks' compute times over the number of ranks (seconds).
+        world_size: Ranks at the start.
+    """
+
+    items: int
+    items_done: int
+    resumed_items: int
+    chunks: int
+    chunks_redone: int
+    redone: tuple[dict[str, Any], ...]
+    failed_ranks: dict[int, str]
+    poison: tuple[wp.InferenceItemFailure, ...]
+    wall_s: float
+    ideal_s: float
+    world_size: int
+    text: str = field(default="", repr=False)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+_last_summary: InferenceSummary | None = None
+
+
+def last_inference_summary() -> InferenceSummary | None:
+    """The summary of this process's last inference call on rank 0 (``None`` elsewhere,
+    before any call, and for ``on_rank_failure="raise"`` calls)."""
+    return _last_summary
+
+
+def load_inference_results(output_dir: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
+    """Yield ``(index, result)`` for every item written under ``output_dir``, in dataset
+    order, reading the chunk files lazily (a file is held until its items are yielded;
+    with costs, a chunk's items are spread over the dataset, so more files can be held).
+
+    Needs no process group. Items not written (the job stopped, or poison items) are
+    absent. The files can also be read without the library: each ``chunk-*.pt`` is one
+    ``torch.save`` of ``{"indices": [...], "results": [...]}``; ``manifest.json`` holds the
+    plan.
+
+    Raises:
+        FileNotFoundError: ``output_dir`` holds no ``manifest.json``.
+    """
+    return wp.iter_results(os.fspath(output_dir))
 
 
 def distributed_inference(
@@ -50,8 +145,827 @@ def distributed_inference(
     num_workers: int = 0,
     progress: ProgressArg = True,
     timeout: Duration = None,
+    chunk_size: int | None = None,
+    on_rank_failure: OnRankFailure = "redo",
+    max_item_failures: int = 2,
+    output_dir: str | os.PathLike[str] | None = None,
 ) -> list[Any] | None:
     """Run ``fn`` over ``dataset`` on every rank and return all results on rank 0, in order.
+
+    Collective over the default group: every rank calls it with the same dataset and
+    arguments. Items are grouped into chunks; each rank pulls the next chunk from the
+    control plane when it finishes one and runs it in batches of at most ``batch_size``
+    under ``torch.no_grad()``; no collective runs at all. Rank 0 collects the results.
+
+    A rank that dies, is stopped, hangs (holds a chunk while its progress signals do not
+    move for the stuck window) or raises outside ``fn`` gives its unfinished chunk back,
+    once, and the others redo it: the call returns on rank 0 with every item's result
+    exactly once (a late delivery of a resumed rank is dropped), and warns. When ``fn``
+    raises, its batch is rerun item by item on that rank: the other items' results are kept,
+    the failing item goes back to the pool for another rank; one that raised on
+    ``max_item_failures`` ranks is a poison item, never run again.
+
+    Args:
+        fn: Called with one collated batch; returns one result per item of the batch: a
+            tensor whose first dimension is the batch size (one row per item), a list of
+            per-item results, or a dict or tuple of those (split into one dict or tuple per
+            item).
+        dataset: A map-style dataset (``len`` and ``dataset[i]``), the same on every rank.
+        batch_size: Most items per call of ``fn``.
+        costs: Predicted cost of each item (e.g. its length): chunks are cut by cost,
+            heaviest first, so that the pulled schedule ends balanced.
+        cost_fn: ``cost_fn(index)`` instead of ``costs``.
+        collate_fn: As DataLoader's (default: ``default_collate``).
+        num_workers: DataLoader worker processes per rank (started per chunk).
+        progress: ``True`` shows a progress bar of all ranks' items on rank 0 (stderr),
+            with throughput (items/s over all ranks) and ETA; a callable is called on rank
+            0 with ``(items_done, items_total)`` about twice a second instead, from a
+            background thread, and once more with ``(total, total)`` from the calling
+            thread at the end; ``False`` shows nothing.
+        timeout: With ``on_rank_failure="raise"``: how long a rank may go without finishing
+            a batch while the others wait for it, and the final gather's per-piece timeout
+            (timedelta or seconds; default ``config.op_timeout``). Not used otherwise: a
+            hung rank is told by its progress signals (``config.stuck_window``).
+        chunk_size: Items per chunk (default: about 8 chunks per rank, a whole number of
+            batches). With ``output_dir`` a resumed call keeps the plan written there.
+        on_rank_failure: ``"redo"`` (default): the survivors redo a failed rank's chunks.
+            ``"raise"``: the behaviour before: shares planned up front, one final gather,
+            every rank raises :class:`RankFailureError` naming the failed rank
+            (``output_dir`` and ``chunk_size`` do not apply).
+        max_item_failures: Ranks an item may raise on before it is a poison item (>= 1).
+        output_dir: A folder (created if needed) where each finished chunk is written by
+            the rank that ran it, as ``chunk-NNNNNN.pt`` (one ``torch.save`` of
+            ``{"indices": [...], "results": [...]}``, renamed into place), with a
+            ``manifest.json`` (items, chunk plan, format version, fingerprint). A call on
+            a folder that holds a manifest resumes: chunks already written are not run
+            again, whatever the world size. Every rank must see the folder.
+
+    Returns:
+        On rank 0, a list with one result per dataset item, ``result[i]`` for
+        ``dataset[i]``; tensors on the CPU. ``None`` on the other ranks. Rank 0's
+        :func:`last_inference_summary` tells what was redone and why.
+
+    Raises:
+        ConfigError: Invalid arguments, ``fn`` returned something that does not split
+            into one result per item, or ``output_dir`` holds another job's plan
+            (another item count, costs or chunk size).
+        ItemFailureError: On rank 0, items whose ``fn`` raised on ``max_item_failures``
+            ranks; its ``results`` holds every other result (``None`` for those items).
+        RankFailureError: Rank 0 (the collector) failed: raised on the others, naming it
+            (with ``output_dir``, a restart resumes); or, with ``on_rank_failure="raise"``,
+            any rank failed.
+        CollectiveMismatchError: With ``on_rank_failure="raise"``: ranks returned results
+            of different kinds or dtypes.
+    """
+    if on_rank_failure == "raise":
+        if output_dir is not None:
+            raise ConfigError('output_dir needs on_rank_failure="redo"')
+        return _static_inference(
+            fn,
+            dataset,
+            batch_size=batch_size,
+            costs=costs,
+            cost_fn=cost_fn,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            progress=progress,
+            timeout=timeout,
+        )
+    engine = _Pool(
+        fn,
+        dataset,
+        batch_size=batch_size,
+        costs=costs,
+        cost_fn=cost_fn,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        progress=progress,
+        chunk_size=chunk_size,
+        on_rank_failure=on_rank_failure,
+        max_item_failures=max_item_failures,
+        output_dir=output_dir,
+    )
+    out: list[Any] = [None] * engine.total
+    for i, r in engine.run():
+        out[i] = r
+    if engine.rank != 0:
+        return None
+    engine.raise_poison(out)
+    return out
+
+
+def iter_inference(
+    fn: Callable[[Any], Any],
+    dataset: Dataset[Any],
+    *,
+    batch_size: int,
+    costs: Sequence[float] | torch.Tensor | None = None,
+    cost_fn: Callable[[int], float] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    num_workers: int = 0,
+    progress: ProgressArg = True,
+    chunk_size: int | None = None,
+    max_item_failures: int = 2,
+    output_dir: str | os.PathLike[str] | None = None,
+) -> Iterator[tuple[int, Any]]:
+    """:func:`distributed_inference` as a stream: an iterator on every rank that runs the
+    work as it is consumed; on rank 0 it yields ``(index, result)`` in dataset order while
+    the work runs, holding only results not yet yielded (a few chunks when the chunks are
+    consecutive, i.e. without costs); on the other ranks it yields nothing. Every rank must
+    exhaust it. With ``output_dir``, rank 0 yields once the work is done, reading the
+    chunk files lazily (see :func:`load_inference_results`).
+
+    Same arguments as :func:`distributed_inference` (failures are always redone).
+
+    Raises:
+        As :func:`distributed_inference`; :class:`ItemFailureError` (rank 0, after the last
+        item) has ``results=None``: the results were yielded.
+    """
+    engine = _Pool(
+        fn,
+        dataset,
+        batch_size=batch_size,
+        costs=costs,
+        cost_fn=cost_fn,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        progress=progress,
+        chunk_size=chunk_size,
+        on_rank_failure="redo",
+        max_item_failures=max_item_failures,
+        output_dir=output_dir,
+    )
+
+    def stream() -> Iterator[tuple[int, Any]]:
+        yield from engine.run()
+        if engine.rank == 0:
+            engine.raise_poison(None)
+
+    return stream()
+
+
+class _Guarded:
+    """A store whose failed calls raise :class:`ControlPlaneError` (the store is gone)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.s = store
+
+    def add(self, key: str, value: int) -> int:
+        return int(ctl.ControlPlane._call(self.s.add, key, value))
+
+    def set(self, key: str, value: str | bytes) -> None:
+        ctl.ControlPlane._call(self.s.set, key, value)
+
+    def get(self, key: str) -> bytes:
+        out: bytes = ctl.ControlPlane._call(self.s.get, key)
+        return out
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(ctl.ControlPlane._call(self.s.check, keys))
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        ctl.ControlPlane._call(getattr(self.s, "multi_set"), keys, values)  # noqa: B009 - not in the stubs
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        out: list[bytes] = ctl.ControlPlane._call(self.s.multi_get, keys)
+        return out
+
+    def delete_key(self, key: str) -> bool:
+        return bool(ctl.ControlPlane._call(self.s.delete_key, key))
+
+
+class _Pool:
+    """One call of the pulled engine, on one rank."""
+
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        dataset: Dataset[Any],
+        *,
+        batch_size: int,
+        costs: Sequence[float] | torch.Tensor | None,
+        cost_fn: Callable[[int], float] | None,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        num_workers: int,
+        progress: ProgressArg,
+        chunk_size: int | None,
+        on_rank_failure: str,
+        max_item_failures: int,
+        output_dir: str | os.PathLike[str] | None,
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size should be >= 1, got {batch_size}")
+        if not isinstance(dataset, Sized):
+            raise ConfigError(
+                f"distributed_inference needs a map-style dataset with len(), got "
+                f"{type(dataset).__name__}"
+            )
+        if on_rank_failure not in ("redo", "raise"):
+            raise ConfigError(
+                f"on_rank_failure should be 'redo' or 'raise', got {on_rank_failure!r}"
+            )
+        if isinstance(max_item_failures, bool) or max_item_failures < 1:
+            raise ConfigError(f"max_item_failures should be >= 1, got {max_item_failures}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
+            raise ConfigError(f"chunk_size should be >= 1, got {chunk_size}")
+        if costs is not None and cost_fn is not None:
+            raise ConfigError("give costs or cost_fn, not both")
+        self.fn = fn
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate = collate_fn if collate_fn is not None else default_collate
+        self.num_workers = num_workers
+        self.progress = progress
+        self.chunk_size = chunk_size
+        self.max_item_failures = max_item_failures
+        self.output_dir = os.fspath(output_dir) if output_dir is not None else None
+        self.total = len(dataset)
+        self.costs: list[float] | None = None
+        if costs is not None:
+            values = costs.tolist() if isinstance(costs, torch.Tensor) else list(costs)
+            self.costs = [float(c) for c in values]
+        elif cost_fn is not None:
+            self.costs = [float(cost_fn(i)) for i in range(self.total)]
+        if self.costs is not None and len(self.costs) != self.total:
+            raise ConfigError(f"costs has {len(self.costs)} values for {self.total} items")
+        self.rt = ensure_runtime()
+        self.rank = self.rt.rank
+        self.world = self.rt.world_size
+        self.done = 0
+        self.batches = 0
+        self.item_failures = 0
+        self.poison: tuple[wp.InferenceItemFailure, ...] = ()
+
+    # -- the plan ----------------------------------------------------------------------------
+    def _plan(self) -> tuple[wp.Chunk, ...]:
+        size = self.chunk_size or wp.default_chunk_size(self.total, self.world, self.batch_size)
+        try:
+            if self.output_dir is None:
+                return wp.plan_chunks(self.total, size, self.costs)
+            fp = wp.fingerprint(self.total, self.costs, self.chunk_size or 0)
+            m = wp.read_manifest(self.output_dir)
+            if m is not None:
+                if m.get("format") != wp.FORMAT_VERSION or m.get("fingerprint") != fp:
+                    raise ConfigError(
+                        f"output_dir {self.output_dir!r} holds the results of another job "
+                        f"({m.get('num_items')} items, chunk_size {m.get('chunk_size')}, "
+                        "other costs or format): use another folder, or the same arguments"
+                    )
+                return wp.chunks_of(m)
+            chunks = wp.plan_chunks(self.total, size, self.costs)
+            if self.rank == 0:
+                os.makedirs(self.output_dir, exist_ok=True)
+                wp.write_manifest(self.output_dir, wp.manifest(self.total, chunks, size, fp))
+            return chunks
+        except ValueError as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(str(e)) from e
+
+    # -- the run -----------------------------------------------------------------------------
+    def run(self) -> Iterator[tuple[int, Any]]:  # noqa: PLR0912, PLR0915 - one loop
+        rt = self.rt
+        rt.inference_calls += 1  # every rank counts its calls alike
+        self.call = call = rt.inference_calls
+        keys = wp.Keys(call)
+        store = _Guarded(rt.control.store)
+        self.start = time.monotonic()
+        chunks = self._plan()
+        self.by_index = {c.index: c for c in chunks}
+        plan_key = f"{keys.base}/plan"
+        step, phase = rt.step, rt.phase
+        rt.phase = "inference"
+        collector: _Collector | None = None
+        try:
+            if self.rank == 0:
+                written = set()
+                if self.output_dir is not None:
+                    written = {
+                        c.index
+                        for c in chunks
+                        if os.path.exists(os.path.join(self.output_dir, f"chunk-{c.index:06d}.pt"))
+                    }
+                remaining = [c.index for c in chunks if c.index not in written]
+                store.set(plan_key, json.dumps(remaining))
+                with contextlib.suppress(Exception):
+                    rt.control.note_keys([plan_key, keys.next, keys.redo_n])
+            else:
+                backoff = ctl.Backoff(self.world, 1)
+                while not store.check([plan_key]):
+                    self._check_abort()
+                    backoff.sleep()
+                remaining = json.loads(store.get(plan_key))
+            todo = tuple(self.by_index[k] for k in remaining)
+            self.resumed = self.total - sum(len(c.items) for c in todo)
+            worker = wp.Worker(store, keys, self.rank, rt.control.key)
+            if self.rank == 0:
+                ledger = wp.Ledger(todo, self.max_item_failures)
+                collector = _Collector(self, keys, ledger)
+                collector.start()
+            rt.progress = [call, 0]
+            with _local_forward(rt), torch.no_grad():
+                t = worker.first()
+                while True:
+                    entry: wp.Entry | None = None
+                    if t < len(todo):
+                        entry = wp.Entry(todo[t].index, todo[t].items)
+                    else:
+                        backoff = ctl.Backoff(self.world, 1)
+                        rt.phase = "inference: waiting for work"
+                        while True:
+                            self._check_abort(collector)
+                            if collector is not None:
+                                yield from collector.ready()
+                            n = worker.redo_state()
+                            if n >= wp.END:
+                                break
+                            if t - len(todo) < n:
+                                entry = worker.entry(t - len(todo))
+                                break
+                            backoff.sleep()
+                        rt.phase = "inference"
+                        if entry is None:
+                            break
+                    delivery = self._run_entry(t, entry)
+                    self._check_abort(collector)
+                    t = worker.deliver(delivery)
+                    if collector is not None:
+                        yield from collector.ready()
+            if collector is not None:
+                while not collector.finished.wait(0.02):
+                    self._check_abort(collector)
+                    yield from collector.ready()
+                self._check_abort(collector)
+                yield from collector.ready()
+                if self.output_dir is not None:
+                    yield from wp.iter_results(self.output_dir)
+                collector.end_progress()
+                self.poison = tuple(
+                    sorted(collector.ledger.failures.values(), key=lambda f: f.index)
+                )
+                collector.summarise()
+        finally:
+            if collector is not None:
+                collector.stop.set()
+                collector.join()
+            rt.progress = None
+        # Left as they were on an error: the failure report says where this rank was.
+        rt.step, rt.phase = step, phase
+
+    def raise_poison(self, results: list[Any] | None) -> None:
+        if not self.poison:
+            return
+        lines = "\n".join(
+            f"  item {f.index}: {f.exc_type}: {f.message} (ranks {list(f.ranks)})"
+            for f in self.poison[:20]
+        )
+        more = f"\n  ... and {len(self.poison) - 20} more" if len(self.poison) > 20 else ""  # noqa: PLR2004
+        raise ItemFailureError(
+            f"distributed_inference: {len(self.poison)} item(s) could not be run (fn raised "
+            f"on {self.max_item_failures} rank(s), or no rank was left to run them); every "
+            f"other result is kept in .results:\n{lines}{more}",
+            failures=self.poison,
+            results=results,
+        )
+
+    def _check_abort(self, collector: _Collector | None = None) -> None:
+        """Raise if the call cannot finish here: rank 0 (the collector) failed, the store
+        is gone, or this rank's collector thread failed."""
+        rt = self.rt
+        if collector is not None and collector.error is not None:
+            raise collector.error
+        if rt.control_plane_error is not None:
+            raise rt.build_error("distributed_inference", rt.op_seq)
+        if self.rank != 0:
+            with rt.lock:
+                failed = [ev for ev in rt.failures if _ranks_of(ev) and 0 in _ranks_of(ev)]
+                left = 0 in rt.left
+            if failed or left:
+                raise rt.build_error(
+                    "distributed_inference",
+                    rt.op_seq,
+                    head=f"distributed_inference on rank {rt.rank} cannot finish: rank 0 "
+                    "collects the results and failed (with output_dir, a restart resumes)",
+                )
+
+    def _load(self, items: Sequence[int]) -> Any:
+        return self.collate([self.dataset[i] for i in items])
+
+    def _batches(self, items: tuple[int, ...]) -> Iterator[tuple[list[int], Any]]:
+        groups = [
+            list(items[i : i + self.batch_size]) for i in range(0, len(items), self.batch_size)
+        ]
+        if self.num_workers == 0:
+            for g in groups:
+                yield g, self._load(g)
+            return
+        loader: DataLoader[Any] = DataLoader(
+            self.dataset,
+            batch_sampler=groups,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )
+        yield from zip(groups, loader, strict=True)
+
+    def _call(self, batch: Any, n: int) -> list[Any]:
+        return _split(to_cpu(self.fn(batch)), n)
+
+    def _run_entry(self, ticket: int, entry: wp.Entry) -> wp.Delivery:
+        rt = self.rt
+        if self.rank in entry.exclude:
+            return wp.Delivery(ticket, self.rank, (), None, declined=True)
+        t0 = time.monotonic()
+        indices: list[int] = []
+        results: list[Any] = []
+        failures: list[tuple[int, str, str]] = []
+        for group, batch in self._batches(entry.items):
+            rt.step = self.batches
+            self.batches += 1
+            try:
+                out = self._call(batch, len(group))
+            except Exception as e:
+                if isinstance(e, ResilientDDPError):
+                    raise
+                # Isolate the failing item(s): the batch again, item by item.
+                for i in group:
+                    try:
+                        one = self._call(self._load([i]), 1)
+                    except Exception as e1:
+                        if isinstance(e1, ResilientDDPError):
+                            raise
+                        failures.append((i, type(e1).__name__, str(e1)[:1000]))
+                        self.item_failures += 1
+                        if self.item_failures > _ITEM_WARNINGS:
+                            continue
+                        log.warning(
+                            "rank %d: distributed_inference: fn raised on item %d (%s: %s); "
+                            "the item goes to another rank%s",
+                            self.rank,
+                            i,
+                            type(e1).__name__,
+                            e1,
+                            " (further failures on this rank are not logged)"
+                            if self.item_failures == _ITEM_WARNINGS
+                            else "",
+                        )
+                    else:
+                        indices.append(i)
+                        results.extend(one)
+            else:
+                indices.extend(group)
+                results.extend(out)
+            self.done += len(group)
+            rt.progress = [self.call, self.done]
+            _mark_progress()
+        compute = time.monotonic() - t0
+        name = ""
+        if self.output_dir is not None and indices:
+            full = entry.items == self.by_index[entry.chunk].items
+            name = (
+                f"chunk-{entry.chunk:06d}.pt" if full else f"chunk-{entry.chunk:06d}.r{ticket}.pt"
+            )
+            wp.write_file(self.output_dir, name, indices, results)
+        return wp.Delivery(
+            ticket,
+            self.rank,
+            tuple(indices),
+            None if name else results,
+            tuple(failures),
+            compute,
+            name,
+        )
+
+
+def _ranks_of(ev: dict[str, Any]) -> list[int]:
+    """The ranks a failure event names."""
+    if ev.get("kind") == ctl.EV_TIMEOUT:
+        return [int(c.get("rank", -1)) for c in ev.get("culprits", [])]
+    r = ev.get("rank")
+    return [int(r)] if isinstance(r, int) else []
+
+
+_WHY = {
+    ctl.EV_CRASH: "died",
+    ctl.EV_UNRESPONSIVE: "stopped responding",
+    ctl.EV_EXCEPTION: "raised",
+    ctl.EV_TIMEOUT: "was named stuck",
+    ctl.EV_SECTION: "overran a section",
+}
+
+
+class _Collector(threading.Thread):
+    """Rank 0's thread: takes deliveries, gives a failed rank's work back, ends the call."""
+
+    def __init__(self, pool: _Pool, keys: wp.Keys, ledger: wp.Ledger) -> None:
+        super().__init__(name="resilient_ddp-inference", daemon=True)
+        self.pool = pool
+        self.rt = pool.rt
+        self.keys = keys
+        self.ledger = ledger
+        control = self.rt.connection("inference")
+        self.control = control
+        self.store = _Guarded(control.store)
+        self.mac = control.key
+        self.lock = threading.Lock()
+        self.buffer: dict[int, Any] = {}
+        self.frontier = 0
+        self.finished = threading.Event()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.given_up: dict[int, str] = {}
+        self.seen: dict[int, tuple[Any, float]] = {}
+        self.n_pub = 0
+        self.streaming = pool.output_dir is None
+        self.callback: Callable[[int, int], None] | None = None
+        if pool.progress is not False and pool.total > 0:
+            self.callback = pool.progress if callable(pool.progress) else _Bar(pool.total).update
+        self.last_done = -1
+        self._poison_told: set[int] = set()
+
+    # -- the main thread's side --------------------------------------------------------------
+    def ready(self) -> Iterator[tuple[int, Any]]:
+        """The results now available in dataset order (taken from the buffer)."""
+        out: list[tuple[int, Any]] = []
+        with self.lock:
+            total = self.pool.total
+            while self.frontier < total:
+                i = self.frontier
+                if i in self.buffer:
+                    out.append((i, self.buffer.pop(i)))
+                elif i in self.ledger.todo:
+                    break
+                self.frontier += 1  # done elsewhere (a file, resumed) or poison
+        yield from out
+
+    def end_progress(self) -> None:
+        if self.callback is not None:
+            self.callback(self.pool.total, self.pool.total)
+
+    def live(self) -> set[int]:
+        return {r for r in range(self.rt.world_size) if r not in self.given_up}
+
+    # -- the thread --------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self.error = e
+        finally:
+            self.finished.set()
+
+    def _loop(self) -> None:
+        rt, led, keys = self.rt, self.ledger, self.keys
+        backoff = ctl.Backoff(1, 4)
+        hb = rt.config.heartbeat_interval.total_seconds()
+        next_look = time.monotonic()
+        next_bar = 0.0
+        seen_failures = 0
+        while not led.finished() and not self.stop.is_set():
+            changed = False
+            with rt.lock:
+                fresh = list(rt.failures[seen_failures:])
+                seen_failures += len(fresh)
+                left = [r for r in rt.left if r not in self.given_up]
+            for ev in fresh:
+                for r in _ranks_of(ev):
+                    what = ev.get("culprit", {}).get("what") or _WHY.get(
+                        ev.get("kind", ""), "failed"
+                    )
+                    changed |= self._give_up(r, f"{_WHY.get(ev.get('kind', ''), 'failed')}: {what}")
+            for r in left:
+                changed |= self._give_up(r, "left the group")
+            leases = self._leases()  # before the deliveries (see Ledger.orphans)
+            changed |= self._take_deliveries()
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + hb
+                changed |= self._look_for_hangs(leases)
+            for t in led.orphans(leases, self.live()):
+                led.requeue(t, "its rank failed before delivering it", -1, self.live())
+                changed = True
+            self._flush()
+            if self.callback is not None and now >= next_bar:
+                done = self.pool.total - len(led.todo)
+                if done != self.last_done:
+                    self.last_done = done
+                    next_bar = now + _REFRESH_S
+                    self.callback(min(done, self.pool.total), self.pool.total)
+            if changed:
+                backoff.reset()
+            backoff.sleep()
+        if not self.stop.is_set():
+            self.store.add(keys.redo_n, wp.END)
+
+    def _leases(self) -> dict[int, int]:
+        ranks = sorted(self.live())
+        names = [self.keys.lease(r) for r in ranks]
+        there = ctl.present(self.store.check, names)
+        have = [r for r, ok in zip(ranks, there, strict=True) if ok]
+        if not have:
+            return {}
+        raw = self.store.multi_get([self.keys.lease(r) for r in have])
+        return {r: int(v) for r, v in zip(have, raw, strict=True)}
+
+    def _take_deliveries(self) -> bool:
+        led, keys = self.ledger, self.keys
+        claimed = self.store.add(keys.next, 0)
+        waiting = [t for t in range(min(claimed, led.published)) if t not in led.delivered]
+        if not waiting:
+            return False
+        there = ctl.present(self.store.check, [keys.res(t) for t in waiting])
+        changed = False
+        for t, ok in zip(waiting, there, strict=True):
+            if not ok:
+                continue
+            name = keys.res(t)
+            raw = self.store.get(name)
+            self.store.delete_key(name)
+            d = wp.unpack(self.mac, name, raw)
+            if d is None or d.ticket != t:
+                log.warning(
+                    "rank 0: distributed_inference: ignored a malformed delivery of ticket %d", t
+                )
+                continue
+            fresh, _ = led.accept(d, self.live())
+            for i in list(led.failures):
+                if i not in self._poison_told:
+                    self._poison_told.add(i)
+                    f = led.failures[i]
+                    log.warning(
+                        "distributed_inference: item %d is a poison item: %s: %s (raised on "
+                        "rank(s) %s); it is not run again",
+                        i,
+                        f.exc_type,
+                        f.message,
+                        list(f.ranks),
+                    )
+                    _events.record(
+                        self.rt,
+                        "inference_poison",
+                        item=i,
+                        exc_type=f.exc_type,
+                        ranks=list(f.ranks),
+                    )
+            if self.streaming and d.results is not None and fresh:
+                keep = set(fresh)
+                with self.lock:
+                    for i, r in zip(d.indices, d.results, strict=True):
+                        if i in keep:
+                            self.buffer[i] = r
+            changed = True
+        return changed
+
+    def _give_up(self, r: int, why: str) -> bool:
+        if r == self.rt.rank or r in self.given_up or not 0 <= r < self.rt.world_size:
+            return False
+        self.given_up[r] = why
+        lease = self._leases_of(r)
+        before = len(self.ledger.redone)
+        if lease is not None:
+            self.ledger.requeue(lease, f"rank {r} {why}", r, self.live())
+        redone = self.ledger.redone[before:]
+        items = sum(x["items"] for x in redone)
+        log.warning(
+            "rank %d %s during distributed_inference; %s",
+            r,
+            why,
+            f"its chunk ({items} item(s)) goes to the other ranks"
+            if items
+            else "it held no unfinished chunk",
+        )
+        warnings.warn(
+            f"distributed_inference: rank {r} {why}; its unfinished work ({items} item(s)) is "
+            "redone by the other ranks",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+        _events.record(self.rt, "inference_redo", failed_rank=r, why=why, items=items)
+        return True
+
+    def _leases_of(self, r: int) -> int | None:
+        name = self.keys.lease(r)
+        if not self.store.check([name]):
+            return None
+        return int(self.store.get(name))
+
+    def _look_for_hangs(self, leases: dict[int, int]) -> bool:
+        """Give up on a rank that holds an unfinished ticket while its progress signals have
+        not moved for the stuck window (and its heartbeat still comes: a stopped rank is
+        the watchdog's), and tell it (it raises RankFailureError in its main thread)."""
+        led, rt = self.ledger, self.rt
+        holders = [
+            r
+            for r in sorted(self.live())
+            if r != rt.rank
+            and r in leases
+            and leases[r] < led.published
+            and leases[r] not in led.delivered
+            and leases[r] not in led.requeued
+        ]
+        if not holders:
+            return False
+        states = self.control.read_states(holders)
+        now = time.monotonic()
+        window = rt.config.base_stuck_window
+        changed = False
+        for r in holders:
+            s = states.get(r, {})
+            key = (leases[r], json.dumps(s.get("progress")))
+            prev = self.seen.get(r)
+            if prev is None or prev[0] != key:
+                self.seen[r] = (key, now)
+                continue
+            if s.get("status") != "running" or float(s.get("idle", 0.0)) < window:
+                continue
+            if now - prev[1] < window:
+                continue
+            what = (
+                f"hung in distributed_inference: holds ticket {leases[r]} and its progress "
+                f"signals did not move for {float(s.get('idle', 0.0)):.1f} s "
+                f"(at {s.get('where', '?')})"
+            )
+            if self.control.claim(r):
+                culprit = ctl.culprit_from(
+                    r, what=what, info=rt.infos.get(r), state=s, stack=s.get("stack", "")
+                )
+                self.control.post_events(
+                    [
+                        {
+                            "kind": ctl.EV_UNRESPONSIVE,
+                            "rank": r,
+                            "reporter": rt.rank,
+                            "gen": rt.generation,
+                            "t": time.time(),
+                            "culprit": culprit,
+                        }
+                    ]
+                )
+            changed |= self._give_up(r, f"hung (no progress for {window:.1f} s)")
+        return changed
+
+    def _flush(self) -> None:
+        """Publish the redo entries the ledger queued."""
+        while self.n_pub < len(self.ledger.entries):
+            k = self.n_pub
+            self.store.set(self.keys.redo(k), self.ledger.entries[k].to_json())
+            self.store.add(self.keys.redo_n, 1)
+            self.n_pub += 1
+
+    def summarise(self) -> None:
+        global _last_summary
+        led, pool = self.ledger, self.pool
+        wall = time.monotonic() - pool.start
+        ideal = led.compute_s / max(1, self.rt.world_size)
+        redone = tuple(led.redone)
+        poison = tuple(sorted(led.failures.values(), key=lambda f: f.index))
+        why = "; ".join(
+            f"ticket {x['ticket']} (chunk {x['chunk']}, {x['items']} item(s)): {x['why']}"
+            for x in redone
+        )
+        failed = "; ".join(f"rank {r} {w}" for r, w in sorted(self.given_up.items()))
+        text = (
+            f"distributed_inference: {pool.total - len(poison)}/{pool.total} items in "
+            f"{len(led.chunks)} chunks on {self.rt.world_size} ranks"
+            + (f" ({pool.resumed} found written and skipped)" if pool.resumed else "")
+            + f"; {len(redone)} piece(s) of work redone"
+            + (f" ({why})" if why else "")
+            + (f"; failed ranks: {failed}" if failed else "")
+            + f"; {len(poison)} poison item(s)"
+            + (f" ({[f.index for f in poison]})" if poison else "")
+            + f"; wall time {wall:.2f} s against an ideal {ideal:.2f} s (compute "
+            f"{led.compute_s:.2f} s / {self.rt.world_size} ranks)."
+        )
+        log.info("%s", text)
+        _last_summary = InferenceSummary(
+            items=pool.total,
+            items_done=pool.total - len(poison),
+            resumed_items=pool.resumed,
+            chunks=len(led.chunks),
+            chunks_redone=len(redone),
+            redone=redone,
+            failed_ranks=dict(self.given_up),
+            poison=poison,
+            wall_s=wall,
+            ideal_s=ideal,
+            world_size=self.rt.world_size,
+            text=text,
+        )
+
+
+def _static_inference(
+    fn: Callable[[Any], Any],
+    dataset: Dataset[Any],
+    *,
+    batch_size: int,
+    costs: Sequence[float] | torch.Tensor | None = None,
+    cost_fn: Callable[[int], float] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    num_workers: int = 0,
+    progress: ProgressArg = True,
+    timeout: Duration = None,
+) -> list[Any] | None:
+    """``on_rank_failure="raise"``: the behaviour before issue 28 (planned shares, one final
+    gather; any failure raises on every rank).
 
     Collective over the default group: every rank calls it with the same dataset and
     arguments. Each rank processes its balanced share of the items in batches of at most
@@ -297,9 +1211,10 @@ class _Bar:
         elapsed = time.monotonic() - self.start
         frac = done / total if total else 1.0
         rate = done / elapsed if elapsed > 0 else 0.0
+        eta = f", ETA {(total - done) / rate:.0f} s" if rate > 0 and done < total else ""
         line = (
             f"inference [{'#' * int(frac * 30):<30}] {done}/{total} items "
-            f"({frac:.0%}, {rate:.0f} items/s, {elapsed:.1f} s)"
+            f"({frac:.0%}, {rate:.0f} items/s over all ranks, {elapsed:.1f} s{eta})"
         )
         if self.tty:
             sys.stderr.write("\r" + line + ("\n" if done >= total else ""))

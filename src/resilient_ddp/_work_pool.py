@@ -1,0 +1,551 @@
+"""The work pool of distributed inference: the chunk plan, the store protocol, the files.
+
+Items are grouped into chunks (:func:`plan_chunks`); ranks pull chunks from the control
+plane as they finish the last one; rank 0 collects the results, returns the chunks of a
+rank that failed to the pool (once), and ends the call. Everything here is pure or talks to
+one ``dist.Store``-like object (``add``, ``set``, ``get``, ``check``, ``multi_set``,
+``delete_key``), so the protocol is tested with an in-memory store.
+
+Keys of inference call ``c``, under the current generation's prefix (``rd/<job>/g<N>/``):
+
+=====================  ==================================================================
+``inf/<c>/next``       tickets drawn (a counter): ticket ``t < chunks`` is chunk ``t``;
+                       ticket ``chunks + k`` is redo entry ``k``
+``inf/<c>/redo/n``     redo entries published by rank 0 (a counter); ``END`` added once
+                       the call is over
+``inf/<c>/redo/<k>``   redo entry ``k``: the chunk, its items still to do, the ranks that
+                       must not run it (JSON)
+``inf/<c>/lease/<r>``  the ticket rank ``r`` holds (its current or next work)
+``inf/<c>/res/<t>``    ticket ``t``'s delivery: pickled results (or, with ``output_dir``,
+                       the name of the file that holds them) and the items that raised;
+                       deleted by rank 0 once read
+=====================  ==================================================================
+
+A worker's round trips per chunk: one ``add`` on ``next`` (its next ticket) and one
+``multi_set`` that delivers the chunk it ran and records its next ticket as its lease.
+Only a worker with nothing left to do (at the very end) and rank 0 poll.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import json
+import math
+import os
+import pickle
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+FORMAT_VERSION = 1
+END = 1 << 40  # added to ``redo/n`` when the call is over
+MANIFEST = "manifest.json"
+CHUNKS_PER_RANK = 8  # default chunk size: about this many chunks per rank
+
+
+class Store(Protocol):
+    """The part of ``torch.distributed.Store`` the pool uses."""
+
+    def add(self, key: str, value: int) -> int: ...
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None: ...
+    def delete_key(self, key: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One unit of work: dataset indices run together by one rank.
+
+    Attributes:
+        index: The chunk's number in the plan (0 = first drawn).
+        items: Dataset indices, in the order they are run.
+        cost: Their summed cost (their count without costs).
+    """
+
+    index: int
+    items: tuple[int, ...]
+    cost: float
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a ticket stands for: a plan chunk, or a redo entry (part of one).
+
+    Attributes:
+        chunk: The plan chunk the items belong to.
+        items: The items to run.
+        exclude: Ranks that must not run them (the item raised there).
+        why: Why it is redone (empty for a chunk's first run).
+    """
+
+    chunk: int
+    items: tuple[int, ...]
+    exclude: frozenset[int] = frozenset()
+    why: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"c": self.chunk, "i": list(self.items), "x": sorted(self.exclude), "w": self.why}
+        )
+
+    @staticmethod
+    def from_json(raw: bytes | str) -> Entry:
+        d = json.loads(raw)
+        return Entry(int(d["c"]), tuple(d["i"]), frozenset(d["x"]), str(d["w"]))
+
+
+@dataclass(frozen=True)
+class InferenceItemFailure:
+    """An item whose ``fn`` raised.
+
+    Attributes:
+        index: The dataset index.
+        exc_type: The exception's class name.
+        message: Its message.
+        ranks: The ranks it raised on, in order.
+    """
+
+    index: int
+    exc_type: str
+    message: str
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A ticket's results as a worker delivers them.
+
+    Attributes:
+        ticket: The ticket.
+        rank: The rank that ran it.
+        indices: The items that succeeded, aligned with ``results``.
+        results: Their results (``None`` when they are in ``file``).
+        failures: Items that raised, as ``(index, exc_type, message)``.
+        compute_s: Seconds spent running ``fn`` on it.
+        file: The chunk file that holds the results (with ``output_dir``), else ``""``.
+        declined: The rank may not run these items (it is excluded); nothing was run.
+    """
+
+    ticket: int
+    rank: int
+    indices: tuple[int, ...]
+    results: list[Any] | None
+    failures: tuple[tuple[int, str, str], ...] = ()
+    compute_s: float = 0.0
+    file: str = ""
+    declined: bool = False
+
+
+# -- the plan --------------------------------------------------------------------------------
+def default_chunk_size(num_items: int, world_size: int, batch_size: int) -> int:
+    """Items per chunk when the caller gives none: about :data:`CHUNKS_PER_RANK` chunks per
+    rank, at least one batch, a whole number of batches."""
+    per = math.ceil(num_items / max(1, world_size * CHUNKS_PER_RANK))
+    return max(batch_size, math.ceil(per / batch_size) * batch_size)
+
+
+def plan_chunks(
+    num_items: int, chunk_size: int, costs: Sequence[float] | None = None
+) -> tuple[Chunk, ...]:
+    """Group ``range(num_items)`` into chunks of at most ``chunk_size`` items.
+
+    Without costs: consecutive ranges, in dataset order. With costs: items heaviest first
+    (stable), cut into chunks of about equal cost (the mean chunk cost with
+    ``ceil(num_items / chunk_size)`` chunks) and at most ``chunk_size`` items, so chunks
+    drawn in order go from heavy to light and a pulled schedule ends balanced.
+
+    Raises:
+        ValueError: ``chunk_size < 1``, or ``costs`` of another length or with a negative
+            or non-finite value.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size should be >= 1, got {chunk_size}")
+    if costs is None:
+        return tuple(
+            Chunk(
+                k,
+                tuple(range(s, min(s + chunk_size, num_items))),
+                float(min(chunk_size, num_items - s)),
+            )
+            for k, s in enumerate(range(0, num_items, chunk_size))
+        )
+    if len(costs) != num_items:
+        raise ValueError(f"costs has {len(costs)} values for {num_items} items")
+    cs = [float(c) for c in costs]
+    if any(not math.isfinite(c) or c < 0 for c in cs):
+        raise ValueError("costs should be finite and >= 0")
+    order = sorted(range(num_items), key=lambda i: -cs[i])
+    n_chunks = max(1, math.ceil(num_items / chunk_size))
+    target = sum(cs) / n_chunks
+    chunks: list[Chunk] = []
+    cur: list[int] = []
+    acc = 0.0
+    for i in order:
+        if cur and (len(cur) >= chunk_size or acc + cs[i] > target * 1.0000001):
+            chunks.append(Chunk(len(chunks), tuple(cur), acc))
+            cur, acc = [], 0.0
+        cur.append(i)
+        acc += cs[i]
+    if cur:
+        chunks.append(Chunk(len(chunks), tuple(cur), acc))
+    return tuple(chunks)
+
+
+# -- wire ------------------------------------------------------------------------------------
+def _mac(key: bytes | None, name: str, body: bytes) -> bytes:
+    if key is None:
+        return b""
+    return hmac.new(key, name.encode() + b"\0" + body, hashlib.sha256).digest()
+
+
+def pack(key: bytes | None, name: str, d: Delivery) -> bytes:
+    """A delivery's bytes in the store (sealed with the job's key when it has one)."""
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "ticket": d.ticket,
+            "rank": d.rank,
+            "indices": list(d.indices),
+            "results": d.results,
+            "failures": [list(f) for f in d.failures],
+            "compute_s": d.compute_s,
+            "file": d.file,
+            "declined": d.declined,
+        },
+        buf,
+    )
+    body = buf.getvalue()
+    return _mac(key, name, body) + body
+
+
+def unpack(key: bytes | None, name: str, raw: bytes) -> Delivery | None:
+    """The delivery stored under ``name``, or None if it is not one the job wrote."""
+    n = 32 if key is not None else 0
+    mac, body = raw[:n], raw[n:]
+    if key is not None and not hmac.compare_digest(mac, _mac(key, name, body)):
+        return None
+    try:
+        d = torch.load(io.BytesIO(body), weights_only=False)
+    except (pickle.UnpicklingError, EOFError, RuntimeError):
+        return None
+    return Delivery(
+        ticket=int(d["ticket"]),
+        rank=int(d["rank"]),
+        indices=tuple(d["indices"]),
+        results=d["results"],
+        failures=tuple((int(a), str(b), str(c)) for a, b, c in d["failures"]),
+        compute_s=float(d["compute_s"]),
+        file=str(d["file"]),
+        declined=bool(d["declined"]),
+    )
+
+
+# -- the keys --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Keys:
+    """Key names of inference call ``call`` (see the module's table)."""
+
+    call: int
+
+    @property
+    def base(self) -> str:
+        return f"inf/{self.call}"
+
+    @property
+    def next(self) -> str:
+        return f"{self.base}/next"
+
+    @property
+    def redo_n(self) -> str:
+        return f"{self.base}/redo/n"
+
+    def redo(self, k: int) -> str:
+        return f"{self.base}/redo/{k}"
+
+    def lease(self, rank: int) -> str:
+        return f"{self.base}/lease/{rank}"
+
+    def res(self, ticket: int) -> str:
+        return f"{self.base}/res/{ticket}"
+
+
+# -- the worker's side -----------------------------------------------------------------------
+class Worker:
+    """One rank's claims and deliveries (every rank, rank 0 included).
+
+    Round trips: :meth:`first` two (``add``, ``set``); then per chunk, :meth:`deliver` two
+    (``add`` for the next ticket, one ``multi_set`` with the delivery and the new lease).
+    """
+
+    def __init__(self, store: Store, keys: Keys, rank: int, mac: bytes | None) -> None:
+        self.store = store
+        self.keys = keys
+        self.rank = rank
+        self.mac = mac
+
+    def first(self) -> int:
+        """Draw this rank's first ticket and record it as its lease."""
+        t = int(self.store.add(self.keys.next, 1)) - 1
+        self.store.set(self.keys.lease(self.rank), str(t))
+        return t
+
+    def deliver(self, d: Delivery) -> int:
+        """Draw the next ticket, then deliver ``d`` and lease that ticket in one call."""
+        t = int(self.store.add(self.keys.next, 1)) - 1
+        name = self.keys.res(d.ticket)
+        self.store.multi_set([name, self.keys.lease(self.rank)], [pack(self.mac, name, d), str(t)])
+        return t
+
+    def redo_state(self) -> int:
+        """``redo/n``: redo entries published, plus :data:`END` once the call is over."""
+        return int(self.store.add(self.keys.redo_n, 0))
+
+    def entry(self, k: int) -> Entry:
+        return Entry.from_json(self.store.get(self.keys.redo(k)))
+
+
+# -- rank 0's bookkeeping (pure) -------------------------------------------------------------
+@dataclass
+class Ledger:
+    """Rank 0's record of the call: what each ticket is, what is done, what failed.
+
+    Pure: the collector feeds it what it reads and does what it returns.
+    """
+
+    chunks: tuple[Chunk, ...]
+    max_item_failures: int
+    todo: set[int] = field(default_factory=set)  # items neither done nor poison
+    entries: list[Entry] = field(default_factory=list)  # redo entries published, by k
+    delivered: set[int] = field(default_factory=set)  # tickets
+    requeued: set[int] = field(default_factory=set)  # tickets whose work went back to the pool
+    skip: set[int] = field(default_factory=set)  # future tickets held by ranks given up on
+    fail_ranks: dict[int, list[int]] = field(default_factory=dict)  # item -> ranks it raised on
+    failures: dict[int, InferenceItemFailure] = field(default_factory=dict)  # poison items
+    last_error: dict[int, tuple[str, str]] = field(default_factory=dict)
+    redone: list[dict[str, Any]] = field(default_factory=list)  # what went back, and why
+    compute_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.todo:
+            self.todo = {i for c in self.chunks for i in c.items}
+
+    @property
+    def published(self) -> int:
+        """Tickets that stand for work so far (chunks, then redo entries)."""
+        return len(self.chunks) + len(self.entries)
+
+    def entry_of(self, ticket: int) -> Entry:
+        if ticket < len(self.chunks):
+            c = self.chunks[ticket]
+            return Entry(c.index, c.items)
+        return self.entries[ticket - len(self.chunks)]
+
+    def finished(self) -> bool:
+        return not self.todo
+
+    def publish(self, entry: Entry, live: set[int]) -> list[Entry]:
+        """Queue ``entry`` as a redo entry (its items not done yet); returns the entries to
+        publish in order (more than one when the ticket of the first is held by a rank
+        given up on: skipped). Items no live rank may run become poison."""
+        items = tuple(i for i in entry.items if i in self.todo)
+        if not items:
+            return []
+        if live and live <= entry.exclude:
+            for i in items:
+                self._poison(i)
+            return []
+        entry = Entry(entry.chunk, items, entry.exclude, entry.why)
+        out: list[Entry] = []
+        while True:
+            self.entries.append(entry)
+            out.append(entry)
+            ticket = self.published - 1
+            if ticket not in self.skip:
+                return out
+            self.requeued.add(ticket)  # its holder was given up on: published again
+
+    def requeue(self, ticket: int, why: str, rank: int, live: set[int]) -> list[Entry]:
+        """Return ticket ``ticket``'s undone items to the pool, once."""
+        if ticket in self.requeued or ticket in self.delivered:
+            return []
+        if ticket >= self.published:
+            self.skip.add(ticket)  # a future ticket: its work, once published, goes on
+            return []
+        self.requeued.add(ticket)
+        e = self.entry_of(ticket)
+        left = [i for i in e.items if i in self.todo]
+        if not left:
+            return []
+        self.redone.append(
+            {"ticket": ticket, "chunk": e.chunk, "rank": rank, "why": why, "items": len(left)}
+        )
+        return self.publish(Entry(e.chunk, tuple(left), e.exclude, why), live)
+
+    def accept(self, d: Delivery, live: set[int]) -> tuple[list[int], list[Entry]]:
+        """Take delivery ``d``: returns the indices newly done (results to keep; a late
+        duplicate's are dropped) and the redo entries to publish."""
+        if d.ticket in self.delivered:
+            return [], []
+        self.delivered.add(d.ticket)
+        if d.declined:
+            e = self.entry_of(d.ticket)
+            return [], self.publish(e, live)
+        self.compute_s += d.compute_s
+        fresh = [i for i in d.indices if i in self.todo]
+        self.todo.difference_update(fresh)
+        redo: list[Entry] = []
+        chunk = self.entry_of(d.ticket).chunk if d.ticket < self.published else -1
+        for index, exc_type, message in d.failures:
+            if index not in self.todo:
+                continue
+            ranks = self.fail_ranks.setdefault(index, [])
+            if d.rank not in ranks:
+                ranks.append(d.rank)
+            self.last_error[index] = (exc_type, message)
+            if len(ranks) >= self.max_item_failures:
+                self._poison(index)
+                continue
+            why = f"item {index} raised {exc_type} on rank {d.rank}"
+            queued = self.publish(Entry(chunk, (index,), frozenset(ranks), why), live)
+            if queued:
+                self.redone.append(
+                    {"ticket": d.ticket, "chunk": chunk, "rank": d.rank, "why": why, "items": 1}
+                )
+            redo += queued
+        return fresh, redo
+
+    def _poison(self, index: int) -> None:
+        exc_type, message = self.last_error.get(index, ("", "no live rank may run it"))
+        self.failures[index] = InferenceItemFailure(
+            index, exc_type, message, tuple(self.fail_ranks.get(index, ()))
+        )
+        self.todo.discard(index)
+
+    def orphans(self, leases: dict[int, int], live: set[int]) -> list[int]:
+        """Tickets whose work no live rank will deliver: every live rank holds a ticket
+        past the published work (it waits), yet items are left. Read the leases before
+        the deliveries, or a delivery made meanwhile reads as an orphan (redone twice,
+        harmless but counted)."""
+        if self.finished() or not live:
+            return []
+        if any(r not in leases or leases[r] < self.published for r in live):
+            return []
+        return [
+            t
+            for t in range(self.published)
+            if t not in self.delivered
+            and t not in self.requeued
+            and any(i in self.todo for i in self.entry_of(t).items)
+        ]
+
+
+# -- files -----------------------------------------------------------------------------------
+def chunk_file(chunk: int, ticket: int, num_chunks: int) -> str:
+    """The file name of a delivery: ``chunk-000012.pt`` for a chunk's own ticket,
+    ``chunk-000012.r<ticket>.pt`` for a redo of part of it."""
+    if ticket < num_chunks:
+        return f"chunk-{chunk:06d}.pt"
+    return f"chunk-{chunk:06d}.r{ticket}.pt"
+
+
+def write_file(folder: str, name: str, indices: Sequence[int], results: list[Any]) -> None:
+    """Write one chunk file atomically: a ``torch.save`` of ``{"indices", "results"}``."""
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    torch.save({"indices": list(indices), "results": results}, tmp)
+    os.replace(tmp, os.path.join(folder, name))
+
+
+def read_file(folder: str, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = torch.load(os.path.join(folder, name), weights_only=False)
+    return out
+
+
+def fingerprint(num_items: int, costs: Sequence[float] | None, chunk_size: int) -> str:
+    """What a resumed call must match: the item count, the costs, the chunk size."""
+    h = hashlib.sha256(f"{num_items}:{chunk_size}:".encode())
+    if costs is not None:
+        h.update(json.dumps([float(c) for c in costs]).encode())
+    return h.hexdigest()[:32]
+
+
+def manifest(num_items: int, chunks: Sequence[Chunk], chunk_size: int, fp: str) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "num_items": num_items,
+        "chunk_size": chunk_size,
+        "fingerprint": fp,
+        "chunks": [list(c.items) for c in chunks],
+        "costs": [c.cost for c in chunks],
+    }
+
+
+def write_manifest(folder: str, m: dict[str, Any]) -> None:
+    tmp = os.path.join(folder, f".{MANIFEST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(m, f)
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def read_manifest(folder: str) -> dict[str, Any] | None:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        out: dict[str, Any] = json.load(f)
+    return out
+
+
+def chunks_of(m: dict[str, Any]) -> tuple[Chunk, ...]:
+    return tuple(
+        Chunk(k, tuple(items), float(cost))
+        for k, (items, cost) in enumerate(zip(m["chunks"], m["costs"], strict=True))
+    )
+
+
+def done_on_disk(folder: str, chunks: Sequence[Chunk]) -> dict[int, str]:
+    """Items already written (index -> file name), read from the files' indices."""
+    out: dict[int, str] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("chunk-") and name.endswith(".pt"):
+            try:
+                data = read_file(folder, name)
+            except Exception:  # noqa: BLE001 - a torn or foreign file: its items are redone
+                continue
+            for i in data.get("indices", []):
+                out.setdefault(int(i), name)
+    return out
+
+
+def iter_results(folder: str) -> Iterator[tuple[int, Any]]:
+    """``(index, result)`` for every item written under ``folder``, in dataset order,
+    holding only the files whose items are not all yielded yet."""
+    m = read_manifest(folder)
+    if m is None:
+        raise FileNotFoundError(f"no {MANIFEST} in {folder!r}: not an inference output folder")
+    where: dict[int, str] = {}
+    counts: dict[str, int] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("chunk-") and name.endswith(".pt"):
+            data = read_file(folder, name)
+            for i in data["indices"]:
+                if int(i) not in where:
+                    where[int(i)] = name
+                    counts[name] = counts.get(name, 0) + 1
+    cache: dict[str, dict[int, Any]] = {}
+    for i in range(int(m["num_items"])):
+        if i not in where:
+            continue
+        name = where[i]
+        if name not in cache:
+            data = read_file(folder, name)
+            cache[name] = dict(zip((int(x) for x in data["indices"]), data["results"], strict=True))
+        yield i, cache[name][i]
+        counts[name] -= 1
+        if counts[name] == 0:
+            del cache[name]

@@ -1,0 +1,251 @@
+"""Rank functions (and a script, for torchrun and env:// launches) for the pulled
+distributed-inference engine: faults on one rank at a given share of the work.
+
+Faults, on the culprit rank once it has run ``at`` items of its own (by item count, never
+by time): ``kill`` (SIGKILL itself), ``raise`` (``fn`` raises on every item it runs from
+then on: a broken rank that stays up), ``hang`` (blocks for good on a lock: no CPU, no
+stack change) and ``stop`` (SIGSTOP: every thread frozen; rank 0 sends SIGCONT once it has
+its results, and the resumed rank must add nothing).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import resilient_ddp as rd
+from resilient_ddp.testing import kill_self, stop_self
+
+FAST = {
+    "heartbeat_interval": 0.1,
+    "heartbeat_timeout": 1.5,
+    "op_timeout": 1.5,
+    "stuck_window": 1.0,
+}
+N = 120
+BATCH = 4
+CHUNK = 8
+ITEM_S = 0.002  # fn's time per item
+POISON = 37  # the item that raises everywhere in the poison case
+
+
+class Numbers(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), float(i % 7)])
+
+
+def expected(i: int) -> torch.Tensor:
+    """What one process computes for item ``i`` (the reference)."""
+    return torch.tensor([float(i), float(i % 7)]) * 3 + 1
+
+
+def reference(n: int) -> list[torch.Tensor]:
+    return [expected(i) for i in range(n)]
+
+
+def _init(cfg: dict[str, Any]) -> None:
+    faulthandler.dump_traceback_later(90, exit=True)
+    rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
+
+
+def make_fn(rank: int, kind: str, culprit: int, at: int, hang_lock: threading.Lock) -> Any:
+    seen = [0]
+
+    def fn(batch: torch.Tensor) -> torch.Tensor:
+        n = batch.shape[0]
+        if rank == culprit and seen[0] >= at:
+            if kind == "kill":
+                kill_self()
+            elif kind == "raise":
+                raise ValueError(f"rank {rank} is broken")
+            elif kind == "hang":
+                hang_lock.acquire()
+                hang_lock.acquire()  # never returns: no CPU, no I/O, the same stack
+            elif kind == "stop":
+                seen[0] = -(10**9)  # once: after SIGCONT it runs normally again
+                stop_self()
+        if kind == "poison" and bool((batch[:, 0] == POISON).any()):
+            raise ValueError(f"item {POISON} is poison")
+        seen[0] += n
+        time.sleep(ITEM_S * n)
+        return batch * 3 + 1
+
+    return fn
+
+
+def summary_dict(s: rd.InferenceSummary | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {
+        "items": s.items,
+        "items_done": s.items_done,
+        "resumed": s.resumed_items,
+        "chunks": s.chunks,
+        "chunks_redone": s.chunks_redone,
+        "redone": [dict(x) for x in s.redone],
+        "failed_ranks": {int(k): v for k, v in s.failed_ranks.items()},
+        "poison": [(f.index, f.exc_type, f.message, list(f.ranks)) for f in s.poison],
+        "text": s.text,
+    }
+
+
+def check(out: list[Any] | None, n: int) -> dict[str, Any]:
+    assert out is not None
+    ref = reference(n)
+    bad = [i for i in range(n) if not torch.equal(out[i], ref[i])]
+    return {"n": len(out), "bad": bad[:10], "ok": not bad and len(out) == n}
+
+
+def pool_fault(
+    rank: int,
+    kind: str,
+    culprit: int,
+    at: int,
+    n: int = N,
+    output_dir: str | None = None,
+    on_rank_failure: str = "redo",
+) -> Any:
+    """Run the pulled inference with fault ``kind`` on ``culprit`` after ``at`` items."""
+    _init(FAST)
+    t0 = time.monotonic()
+    try:
+        lock = threading.Lock()
+        fn = make_fn(rank, kind, culprit, at, lock)
+        with_warnings: list[str] = []
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out = rd.distributed_inference(
+                    fn,
+                    Numbers(n),
+                    batch_size=BATCH,
+                    chunk_size=CHUNK,
+                    progress=False,
+                    output_dir=output_dir,
+                    on_rank_failure=on_rank_failure,  # type: ignore[arg-type]
+                )
+            except rd.ItemFailureError as e:
+                return {
+                    "type": "ItemFailureError",
+                    "failures": [
+                        (f.index, f.exc_type, f.message, list(f.ranks)) for f in e.failures
+                    ],
+                    "results": check(
+                        [expected(i) if i == POISON else r for i, r in enumerate(e.results)], n
+                    ),
+                    "poison_none": e.results[POISON] is None,
+                    "summary": summary_dict(rd.last_inference_summary()),
+                }
+            with_warnings = [
+                str(w.message) for w in caught if "distributed_inference" in str(w.message)
+            ]
+        if kind == "stop" and rank == 0:
+            _resume(culprit)
+        if rank != 0:
+            return {"none": out is None, "elapsed": time.monotonic() - t0}
+        return {
+            **check(out, n),
+            "summary": summary_dict(rd.last_inference_summary()),
+            "warnings": with_warnings,
+            "elapsed": time.monotonic() - t0,
+        }
+    except rd.ResilientDDPError as e:
+        if kind == "stop" and rank == 0:
+            _resume(culprit)
+        return {
+            "type": type(e).__name__,
+            "ranks": list(getattr(e, "ranks", [])),
+            "message": str(e),
+            "elapsed": time.monotonic() - t0,
+        }
+    finally:
+        rd.destroy_process_group()
+
+
+def _resume(culprit: int) -> None:
+    """SIGCONT the stopped culprit (its pid from the runtime's identity records)."""
+    from resilient_ddp import _runtime
+
+    rt = _runtime.current()
+    assert rt is not None
+    pid = int(rt.infos[culprit]["pid"])
+    os.kill(pid, signal.SIGCONT)
+
+
+def resume_job(rank: int, output_dir: str, stop_after: int | None) -> Any:
+    """A job on ``output_dir``; with ``stop_after``, every rank dies (SIGKILL) once it has
+    run that many items of its own (the whole job killed). Returns rank 0's summary."""
+    _init(FAST)
+    try:
+        fn = make_fn(
+            rank,
+            "kill" if stop_after is not None else "none",
+            rank,
+            stop_after or 0,
+            threading.Lock(),
+        )
+        out = rd.distributed_inference(
+            fn,
+            Numbers(N),
+            batch_size=BATCH,
+            chunk_size=CHUNK,
+            progress=False,
+            output_dir=output_dir,
+        )
+        if rank != 0:
+            return None
+        return {**check(out, N), "summary": summary_dict(rd.last_inference_summary())}
+    finally:
+        rd.destroy_process_group()
+
+
+def stream(rank: int, n: int) -> Any:
+    """iter_inference: rank 0 gets (index, result) in order; the others nothing."""
+    _init(FAST)
+    try:
+        got = list(
+            rd.iter_inference(
+                make_fn(rank, "none", -1, 0, threading.Lock()),
+                Numbers(n),
+                batch_size=BATCH,
+                chunk_size=CHUNK,
+                progress=False,
+            )
+        )
+        if rank != 0:
+            return {"count": len(got)}
+        return {
+            "indices_in_order": [i for i, _ in got] == list(range(n)),
+            **check([r for _, r in got], n),
+        }
+    finally:
+        rd.destroy_process_group()
+
+
+# -- as a script: torchrun or env:// (rank 0 hosts the store) -------------------------------
+def main() -> None:
+    out, fault = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    value = pool_fault(rank, fault, 1, N // 6)
+    (out / f"result{rank}.json").write_text(json.dumps(value, default=str))
+
+
+if __name__ == "__main__":
+    main()
