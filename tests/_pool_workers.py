@@ -31,7 +31,7 @@ FAST = {
     "op_timeout": 1.5,
     "stuck_window": 1.0,
 }
-N = 120
+N = 160  # 20 chunks of 8
 BATCH = 4
 CHUNK = 8
 ITEM_S = 0.002  # fn's time per item
@@ -63,29 +63,45 @@ def _init(cfg: dict[str, Any]) -> None:
     rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
 
 
-def make_fn(rank: int, kind: str, culprit: int, at: int, hang_lock: threading.Lock) -> Any:
-    seen = [0]
+def make_fn(
+    rank: int, kind: str, culprit: int, at: int, hang_lock: threading.Lock, flag: str = ""
+) -> Any:
+    """``fn`` for ``rank``. The culprit injects ``kind`` in its first batch that holds an
+    item ``>= at`` (chunks are drawn in index order: about ``at / n`` of the work is done
+    then). With ``flag`` (a file path), the other ranks hold any batch with an item
+    ``>= at`` until the culprit has written ``flag``, just before its fault: the culprit is
+    sure to reach the fault point, whatever the machine's load (a condition, no timing)."""
+    fired = [False]
 
     def fn(batch: torch.Tensor) -> torch.Tensor:
         n = batch.shape[0]
-        if rank == culprit and seen[0] >= at:
+        late = bool((batch[:, 0] >= at).any())
+        if rank == culprit and late and not fired[0] and kind in FAULTS:
+            fired[0] = True
+            if flag:
+                Path(flag).write_text(str(os.getpid()))
             if kind == "kill":
                 kill_self()
-            elif kind == "raise":
-                raise ValueError(f"rank {rank} is broken")
             elif kind == "hang":
                 hang_lock.acquire()
                 hang_lock.acquire()  # never returns: no CPU, no I/O, the same stack
             elif kind == "stop":
-                seen[0] = -(10**9)  # once: after SIGCONT it runs normally again
                 stop_self()
+        if rank == culprit and kind == "raise" and fired[0]:
+            raise ValueError(f"rank {rank} is broken")
+        if rank != culprit and late and flag and kind in FAULTS:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.002)
         if kind == "poison" and bool((batch[:, 0] == POISON).any()):
             raise ValueError(f"item {POISON} is poison")
-        seen[0] += n
         time.sleep(ITEM_S * n)
         return batch * 3 + 1
 
     return fn
+
+
+FAULTS = ("kill", "raise", "hang", "stop")
 
 
 def summary_dict(s: rd.InferenceSummary | None) -> dict[str, Any] | None:
@@ -116,16 +132,17 @@ def pool_fault(
     kind: str,
     culprit: int,
     at: int,
+    flag: str = "",
     n: int = N,
-    output_dir: str | None = None,
     on_rank_failure: str = "redo",
 ) -> Any:
-    """Run the pulled inference with fault ``kind`` on ``culprit`` after ``at`` items."""
+    """Run the pulled inference with fault ``kind`` on ``culprit`` at item ``at``."""
     _init(FAST)
     t0 = time.monotonic()
+    output_dir = None
     try:
         lock = threading.Lock()
-        fn = make_fn(rank, kind, culprit, at, lock)
+        fn = make_fn(rank, kind, culprit, at, lock, flag)
         with_warnings: list[str] = []
         import warnings
 
@@ -240,11 +257,37 @@ def stream(rank: int, n: int) -> Any:
 
 
 # -- as a script: torchrun or env:// (rank 0 hosts the store) -------------------------------
+def script_job(rank: int, out: Path, fault: str, attempt: int) -> Any:
+    """Rank 1 dies at half the work of attempt 0; with ``output_dir`` (torchrun, where the
+    agent restarts the whole group) the next attempt resumes from the files."""
+    _init(FAST)
+    try:
+        kind = fault if attempt == 0 else "none"
+        fn = make_fn(rank, kind, 1, N // 2, threading.Lock(), str(out / "fired"))
+        output_dir = str(out / "results") if os.environ.get("POOL_OUTPUT_DIR") else None
+        result = rd.distributed_inference(
+            fn,
+            Numbers(N),
+            batch_size=BATCH,
+            chunk_size=CHUNK,
+            progress=False,
+            output_dir=output_dir,
+        )
+        if rank != 0:
+            return {"none": result is None}
+        return {**check(result, N), "summary": summary_dict(rd.last_inference_summary())}
+    except rd.ResilientDDPError as e:
+        return {"type": type(e).__name__, "ranks": list(getattr(e, "ranks", [])), "message": str(e)}
+    finally:
+        rd.destroy_process_group()
+
+
 def main() -> None:
     out, fault = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])
-    value = pool_fault(rank, fault, 1, N // 6)
-    (out / f"result{rank}.json").write_text(json.dumps(value, default=str))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    value = script_job(rank, out, fault, attempt)
+    (out / f"result{attempt}-{rank}.json").write_text(json.dumps(value, default=str))
 
 
 if __name__ == "__main__":
