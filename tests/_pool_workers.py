@@ -29,7 +29,7 @@ FAST = {
     "heartbeat_interval": 0.1,
     "heartbeat_timeout": 1.5,
     "op_timeout": 1.5,
-    "stuck_window": 1.0,
+    "stuck_window": 1.5,
 }
 N = 160  # 20 chunks of 8
 BATCH = 4

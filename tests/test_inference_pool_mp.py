@@ -267,3 +267,23 @@ def test_env_launch_with_rank0_hosting_the_store_survives_a_killed_rank(tmp_path
         assert len(v["summary"]["redone"]) <= 2, v["summary"]
         assert _read(out, "result0-2.json") == {"none": True}
         return
+
+
+def test_rank0_the_collector_killed_is_named_by_the_survivors(tmp_path: Path) -> None:
+    outcomes = _run(w.pool_fault, 3, "kill", 0, w.N // 2, str(tmp_path / "fired"))
+    report = format_outcomes(outcomes)
+    assert outcomes[0].exitcode == -9, report
+    for r in (1, 2):
+        v = outcomes[r].value
+        assert isinstance(v, dict), report
+        assert v["type"] == "RankFailureError", report
+        assert 0 in v["ranks"], v["message"]
+        assert "rank 0 collects the results and failed" in v["message"], v["message"]
+
+
+def test_one_rank_alone_runs_everything() -> None:
+    outcomes = _run(w.stream, 1, 30)
+    report = format_outcomes(outcomes)
+    assert outcomes[0].exitcode == 0, report
+    assert outcomes[0].value["indices_in_order"], report
+    assert outcomes[0].value["ok"], report

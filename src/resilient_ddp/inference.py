@@ -473,7 +473,8 @@ class _Pool:
                         backoff = ctl.Backoff(self.world, 1)
                         rt.phase = "inference: waiting for work"
                         while True:
-                            self._check_abort(collector)
+                            if self._check_abort(collector, worker):
+                                break
                             if collector is not None:
                                 yield from collector.ready()
                             n = worker.redo_state()
@@ -487,7 +488,8 @@ class _Pool:
                         if entry is None:
                             break
                     delivery = self._run_entry(t, entry)
-                    self._check_abort(collector)
+                    if self._check_abort(collector, worker):
+                        break
                     t = worker.deliver(delivery)
                     if collector is not None:
                         yield from collector.ready()
@@ -528,9 +530,12 @@ class _Pool:
             results=results,
         )
 
-    def _check_abort(self, collector: _Collector | None = None) -> None:
+    def _check_abort(
+        self, collector: _Collector | None = None, worker: wp.Worker | None = None
+    ) -> bool:
         """Raise if the call cannot finish here: rank 0 (the collector) failed, the store
-        is gone, or this rank's collector thread failed."""
+        is gone, or this rank's collector thread failed. Returns True when the call is
+        over (rank 0 ended it and left: nothing failed)."""
         rt = self.rt
         if collector is not None and collector.error is not None:
             raise collector.error
@@ -538,15 +543,22 @@ class _Pool:
             raise rt.build_error("distributed_inference", rt.op_seq)
         if self.rank != 0:
             with rt.lock:
-                failed = [ev for ev in rt.failures if _ranks_of(ev) and 0 in _ranks_of(ev)]
+                failed = [ev for ev in rt.failures if 0 in _ranks_of(ev)]
                 left = 0 in rt.left
             if failed or left:
+                # Rank 0 ends the call before it leaves: its departure (or a failure after
+                # the end) is no failure of this call.
+                if worker is not None:
+                    with contextlib.suppress(ResilientDDPError):
+                        if worker.redo_state() >= wp.END:
+                            return True
                 raise rt.build_error(
                     "distributed_inference",
                     rt.op_seq,
                     head=f"distributed_inference on rank {rt.rank} cannot finish: rank 0 "
                     "collects the results and failed (with output_dir, a restart resumes)",
                 )
+        return False
 
     def _load(self, items: Sequence[int]) -> Any:
         return self.collate([self.dataset[i] for i in items])
@@ -755,6 +767,12 @@ class _Collector(threading.Thread):
             backoff.sleep()
         if not self.stop.is_set():
             self.store.add(keys.redo_n, wp.END)
+            # Kept until the generation is forgotten: a rank resumed late may still read
+            # them (a get of a deleted key would block).
+            names = [keys.lease(r) for r in range(rt.world_size)]
+            names += [keys.redo(k) for k in range(self.n_pub)]
+            with contextlib.suppress(Exception):
+                self.control.note_keys(names)
 
     def _leases(self) -> dict[int, int]:
         ranks = sorted(self.live())
