@@ -116,6 +116,7 @@ def summary_dict(s: rd.InferenceSummary | None) -> dict[str, Any] | None:
         "redone": [dict(x) for x in s.redone],
         "failed_ranks": {int(k): v for k, v in s.failed_ranks.items()},
         "poison": [(f.index, f.exc_type, f.message, list(f.ranks)) for f in s.poison],
+        "per_rank": {int(k): v for k, v in s.per_rank_items.items()},
         "text": s.text,
     }
 

@@ -59,6 +59,7 @@ def test_a_failed_ranks_work_is_redone_and_every_result_arrives_once(
     s = v["summary"]
     assert s["items_done"] == w.N
     assert s["poison"] == []
+    assert sum(s["per_rank"].values()) == w.N
     assert outcomes[2].exitcode == 0, report
     assert outcomes[2].value == {"none": True, "elapsed": outcomes[2].value["elapsed"]}
     if kind == "raise":

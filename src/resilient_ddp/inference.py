@@ -90,6 +90,7 @@ class InferenceSummary:
         wall_s: Seconds from the start of the call to its end, on rank 0.
         ideal_s: The sum of the chunks' compute times over the number of ranks (seconds).
         world_size: Ranks at the start.
+        per_rank_items: Rank -> items it delivered first (its share of the results).
     """
 
     items: int
@@ -103,6 +104,7 @@ class InferenceSummary:
     wall_s: float
     ideal_s: float
     world_size: int
+    per_rank_items: dict[int, int] = field(default_factory=dict)
     text: str = field(default="", repr=False)
 
     def __str__(self) -> str:
@@ -693,6 +695,7 @@ class _Collector(threading.Thread):
             self.callback = pool.progress if callable(pool.progress) else _Bar(pool.total).update
         self.last_done = -1
         self._poison_told: set[int] = set()
+        self.per_rank: dict[int, int] = {}
 
     # -- the main thread's side --------------------------------------------------------------
     def ready(self) -> Iterator[tuple[int, Any]]:
@@ -805,6 +808,7 @@ class _Collector(threading.Thread):
                 )
                 continue
             fresh, _ = led.accept(d, self.live())
+            self.per_rank[d.rank] = self.per_rank.get(d.rank, 0) + len(fresh)
             for i in list(led.failures):
                 if i not in self._poison_told:
                     self._poison_told.add(i)
@@ -945,6 +949,8 @@ class _Collector(threading.Thread):
             f"distributed_inference: {pool.total - len(poison)}/{pool.total} items in "
             f"{len(led.chunks)} chunks on {self.rt.world_size} ranks"
             + (f" ({pool.resumed} found written and skipped)" if pool.resumed else "")
+            + "; items per rank "
+            + ", ".join(f"{r}: {n}" for r, n in sorted(self.per_rank.items()))
             + f"; {len(redone)} piece(s) of work redone"
             + (f" ({why})" if why else "")
             + (f"; failed ranks: {failed}" if failed else "")
@@ -966,6 +972,7 @@ class _Collector(threading.Thread):
             wall_s=wall,
             ideal_s=ideal,
             world_size=self.rt.world_size,
+            per_rank_items=dict(sorted(self.per_rank.items())),
             text=text,
         )
 
