@@ -144,6 +144,8 @@ def pool_fault(
     try:
         lock = threading.Lock()
         fn = make_fn(rank, kind, culprit, at, lock, flag)
+        if kind == "mismatch" and rank == culprit:
+            n -= CHUNK  # another dataset on this rank
         with_warnings: list[str] = []
         import warnings
 

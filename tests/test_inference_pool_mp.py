@@ -288,3 +288,15 @@ def test_one_rank_alone_runs_everything() -> None:
     assert outcomes[0].exitcode == 0, report
     assert outcomes[0].value["indices_in_order"], report
     assert outcomes[0].value["ok"], report
+
+
+def test_a_rank_with_another_dataset_is_told_and_the_others_finish() -> None:
+    outcomes = _run(w.pool_fault, 3, "mismatch", 2, 0)
+    report = format_outcomes(outcomes)
+    v2 = outcomes[2].value
+    assert isinstance(v2, dict), report
+    assert v2["type"] == "ConfigError", report
+    assert "rank 0 planned another call" in v2["message"]
+    v = outcomes[0].value
+    assert v["ok"], report
+    assert 2 not in v["summary"]["per_rank"], v["summary"]

@@ -446,14 +446,6 @@ class Ledger:
 
 
 # -- files -----------------------------------------------------------------------------------
-def chunk_file(chunk: int, ticket: int, num_chunks: int) -> str:
-    """The file name of a delivery: ``chunk-000012.pt`` for a chunk's own ticket,
-    ``chunk-000012.r<ticket>.pt`` for a redo of part of it."""
-    if ticket < num_chunks:
-        return f"chunk-{chunk:06d}.pt"
-    return f"chunk-{chunk:06d}.r{ticket}.pt"
-
-
 def write_file(folder: str, name: str, indices: Sequence[int], results: list[Any]) -> None:
     """Write one chunk file atomically: a ``torch.save`` of ``{"indices", "results"}``."""
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")

@@ -433,6 +433,9 @@ class _Pool:
         store = _Guarded(rt.control.store)
         self.start = time.monotonic()
         chunks = self._plan()
+        self._plan_id = f"{self.total} items, {len(chunks)} chunks, " + wp.fingerprint(
+            self.total, self.costs, self.chunk_size or 0
+        )
         self.by_index = {c.index: c for c in chunks}
         plan_key = f"{keys.base}/plan"
         step, phase = rt.step, rt.phase
@@ -448,7 +451,7 @@ class _Pool:
                         if os.path.exists(os.path.join(self.output_dir, f"chunk-{c.index:06d}.pt"))
                     }
                 remaining = [c.index for c in chunks if c.index not in written]
-                store.set(plan_key, json.dumps(remaining))
+                store.set(plan_key, json.dumps({"remaining": remaining, "plan": self._plan_id}))
                 with contextlib.suppress(Exception):
                     rt.control.note_keys([plan_key, keys.next, keys.redo_n])
             else:
@@ -456,7 +459,14 @@ class _Pool:
                 while not store.check([plan_key]):
                     self._check_abort()
                     backoff.sleep()
-                remaining = json.loads(store.get(plan_key))
+                published = json.loads(store.get(plan_key))
+                if published.get("plan") != self._plan_id:
+                    raise ConfigError(
+                        f"distributed_inference on rank {rt.rank}: rank 0 planned another "
+                        f"call ({published.get('plan')}, here {self._plan_id}): every rank "
+                        "must call it with the same dataset length, costs and chunk_size"
+                    )
+                remaining = published["remaining"]
             todo = tuple(self.by_index[k] for k in remaining)
             self.resumed = self.total - sum(len(c.items) for c in todo)
             worker = wp.Worker(store, keys, self.rank, rt.control.key)
@@ -634,7 +644,9 @@ class _Pool:
         compute = time.monotonic() - t0
         name = ""
         if self.output_dir is not None and indices:
-            full = entry.items == self.by_index[entry.chunk].items
+            # The chunk's own name only when it holds every item of the chunk: a resumed
+            # call skips the chunks that have one, and reruns the others whole.
+            full = entry.items == self.by_index[entry.chunk].items and not failures
             name = (
                 f"chunk-{entry.chunk:06d}.pt" if full else f"chunk-{entry.chunk:06d}.r{ticket}.pt"
             )
