@@ -39,13 +39,18 @@ POISON = 37  # the item that raises everywhere in the poison case
 
 
 class Numbers(torch.utils.data.Dataset[torch.Tensor]):
-    def __init__(self, n: int) -> None:
+    """Item ``i`` is ``[i, i % 7]``; item ``bad`` cannot be read (a corrupt sample)."""
+
+    def __init__(self, n: int, bad: int = -1) -> None:
         self.n = n
+        self.bad = bad
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise OSError(f"sample {i} is corrupt")
         return torch.tensor([float(i), float(i % 7)])
 
 
@@ -154,9 +159,10 @@ def pool_fault(
             try:
                 out = rd.distributed_inference(
                     fn,
-                    Numbers(n),
+                    Numbers(n, POISON if kind.startswith("poison_load") else -1),
                     batch_size=BATCH,
                     chunk_size=CHUNK,
+                    num_workers=1 if kind == "poison_load_workers" else 0,
                     progress=False,
                     output_dir=output_dir,
                     on_rank_failure=on_rank_failure,  # type: ignore[arg-type]

@@ -94,14 +94,22 @@ def test_a_failed_ranks_work_is_redone_and_every_result_arrives_once(
         assert outcomes[1].value["type"] == "RankFailureError", report
 
 
-def test_a_poison_item_is_reported_not_retried_forever() -> None:
-    outcomes = _run(w.pool_fault, 3, "poison", -1, 0)
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("poison", ("ValueError", f"item {w.POISON} is poison")),
+        ("poison_load", ("OSError", f"sample {w.POISON} is corrupt")),
+    ],
+    ids=["fn", "dataset"],
+)
+def test_a_poison_item_is_reported_not_retried_forever(kind: str, error: tuple[str, str]) -> None:
+    outcomes = _run(w.pool_fault, 3, kind, -1, 0)
     report = format_outcomes(outcomes)
     v = outcomes[0].value
     assert isinstance(v, dict), report
     assert v["type"] == "ItemFailureError", report
     ((index, exc_type, message, ranks),) = v["failures"]
-    assert (index, exc_type, message) == (w.POISON, "ValueError", f"item {w.POISON} is poison")
+    assert (index, exc_type, message) == (w.POISON, *error)
     assert sorted(set(ranks)) == sorted(ranks), ranks
     assert len(ranks) == 2, ranks  # max_item_failures=2 different ranks
     assert v["results"]["ok"], v["results"]  # every other result kept

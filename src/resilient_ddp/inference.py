@@ -575,24 +575,57 @@ class _Pool:
     def _load(self, items: Sequence[int]) -> Any:
         return self.collate([self.dataset[i] for i in items])
 
-    def _batches(self, items: tuple[int, ...]) -> Iterator[tuple[list[int], Any]]:
-        groups = [
-            list(items[i : i + self.batch_size]) for i in range(0, len(items), self.batch_size)
-        ]
+    def _groups(self, items: tuple[int, ...]) -> list[list[int]]:
+        return [list(items[i : i + self.batch_size]) for i in range(0, len(items), self.batch_size)]
+
+    def _loader(self, groups: list[list[int]]) -> Iterator[Any] | None:
+        """Batches from worker processes (``num_workers``), or None: loaded in this one."""
         if self.num_workers == 0:
-            for g in groups:
-                yield g, self._load(g)
-            return
+            return None
         loader: DataLoader[Any] = DataLoader(
             self.dataset,
             batch_sampler=groups,
             collate_fn=self.collate,
             num_workers=self.num_workers,
         )
-        yield from zip(groups, loader, strict=True)
+        return iter(loader)
 
     def _call(self, batch: Any, n: int) -> list[Any]:
         return _split(to_cpu(self.fn(batch)), n)
+
+    def _isolate(
+        self,
+        group: list[int],
+        indices: list[int],
+        results: list[Any],
+        failures: list[tuple[int, str, str]],
+    ) -> None:
+        """Run ``group`` item by item (its batch raised): keep what succeeds, note what
+        raises (such an item goes back to the pool for another rank)."""
+        for i in group:
+            try:
+                one = self._call(self._load([i]), 1)
+            except Exception as e:
+                if isinstance(e, ResilientDDPError):
+                    raise
+                failures.append((i, type(e).__name__, str(e)[:1000]))
+                self.item_failures += 1
+                if self.item_failures > _ITEM_WARNINGS:
+                    continue
+                log.warning(
+                    "rank %d: distributed_inference: item %d raised (%s: %s); "
+                    "the item goes to another rank%s",
+                    self.rank,
+                    i,
+                    type(e).__name__,
+                    e,
+                    " (further failures on this rank are not logged)"
+                    if self.item_failures == _ITEM_WARNINGS
+                    else "",
+                )
+            else:
+                indices.append(i)
+                results.extend(one)
 
     def _run_entry(self, ticket: int, entry: wp.Entry) -> wp.Delivery:
         rt = self.rt
@@ -602,39 +635,27 @@ class _Pool:
         indices: list[int] = []
         results: list[Any] = []
         failures: list[tuple[int, str, str]] = []
-        for group, batch in self._batches(entry.items):
+        groups = self._groups(entry.items)
+        loader = self._loader(groups)
+        for group in groups:
             rt.step = self.batches
             self.batches += 1
             try:
+                # Loading is inside: a sample that cannot be read is an item that raised.
+                if loader is not None:
+                    try:
+                        batch = next(loader)
+                    except BaseException:
+                        loader = None  # the rest of the chunk is loaded here
+                        raise
+                else:
+                    batch = self._load(group)
                 out = self._call(batch, len(group))
             except Exception as e:
                 if isinstance(e, ResilientDDPError):
                     raise
                 # Isolate the failing item(s): the batch again, item by item.
-                for i in group:
-                    try:
-                        one = self._call(self._load([i]), 1)
-                    except Exception as e1:
-                        if isinstance(e1, ResilientDDPError):
-                            raise
-                        failures.append((i, type(e1).__name__, str(e1)[:1000]))
-                        self.item_failures += 1
-                        if self.item_failures > _ITEM_WARNINGS:
-                            continue
-                        log.warning(
-                            "rank %d: distributed_inference: fn raised on item %d (%s: %s); "
-                            "the item goes to another rank%s",
-                            self.rank,
-                            i,
-                            type(e1).__name__,
-                            e1,
-                            " (further failures on this rank are not logged)"
-                            if self.item_failures == _ITEM_WARNINGS
-                            else "",
-                        )
-                    else:
-                        indices.append(i)
-                        results.extend(one)
+                self._isolate(group, indices, results, failures)
             else:
                 indices.extend(group)
                 results.extend(out)
