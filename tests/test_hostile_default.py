@@ -11,7 +11,9 @@ Deployments:
   ``on_failure="shrink"``): no rank raises, nothing is admitted, the attacker received no
   state, its ``__reduce__`` payload ran nowhere, every rank ends with the weights of a run
   without the attacker (computed in this process), and steps after 64 MiB of junk in the
-  event log take at most :data:`STEP_RATIO` times as long as before the attacks.
+  event log take at most :data:`STEP_RATIO` times as long as before the attacks. Rank 0
+  says at start-up how to allow joins (item 3); torchrun's store is checked to listen on
+  every interface.
 - The same torchrun job with a preflight verdict and garbage facts planted before start-up
   (item 5, no secret): start-up fails on every rank with our ``PreflightError``, nothing
   else (the issue's bar without a secret: no more than a clear, typed failure).
@@ -153,8 +155,30 @@ def _popen_ranks(out: Path, port: int) -> list[subprocess.Popen[bytes]]:
 
 
 # -- checks -----------------------------------------------------------------------------------
-def _check_unharmed(out: Path, report: str) -> None:
+def _listen_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the sockets listening
+    on ``port``; all zeros is every interface."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                addr, _, hex_port = fields[1].partition(":")
+                if int(hex_port, 16) == port and fields[3] == "0A":  # LISTEN
+                    found.add(addr)
+    return found
+
+
+def _rank0_output(tmp_path: Path) -> str:
+    """What rank 0 wrote (its log under env://, its stderr under torchrun)."""
+    paths = [*tmp_path.rglob("log0.txt"), *tmp_path.glob("logs/*/attempt_0/0/stderr.log")]
+    return "\n".join(p.read_text(errors="replace") for p in paths)
+
+
+def _check_unharmed(out: Path, report: str, rank0_output: str) -> None:
     """The promise of the default deployments (see the module docstring)."""
+    # Item 3: start-up says that joining needs the operator's secret, and how to give it.
+    assert "RESILIENT_DDP_SECRET" in rank0_output, f"rank 0 said nothing\n{report}"
     attacker = _read(out / "attacker.json")
     assert attacker is not None, report
     assert "error" not in attacker, report  # it did every attack
@@ -200,10 +224,18 @@ def test_torchrun_without_a_secret_an_attacker_changes_nothing(tmp_path: Path) -
     try:
         procs.append(_torchrun(tmp_path, out))
         procs.append(_attacker("attack_default", str(out)))
+        end = time.monotonic() + 40
+        while not (out / "port").exists() and time.monotonic() < end and procs[0].poll() is None:
+            time.sleep(0.05)
+        port = int((out / "port").read_text()) if (out / "port").exists() else -1
+        # torchrun's agent store: every interface (IPv4 0.0.0.0 or IPv6 ::).
+        listening = _listen_addresses(port)
         codes = _wait_all(procs, deadline)
         report = f"torchrun rc {codes[0]}, attacker rc {codes[1]}\n{_outputs(tmp_path)}"
+        assert listening, f"nothing listens on {port}\n{report}"
+        assert all(set(a) == {"0"} for a in listening), (listening, report)
         assert None not in codes, f"deadline passed\n{report}"
-        _check_unharmed(out, report)
+        _check_unharmed(out, report, _rank0_output(tmp_path))
         assert codes == [0, 0], report
     finally:
         kill_named(tmp_path)
@@ -227,7 +259,7 @@ def test_env_rank0_store_without_a_secret_an_attacker_changes_nothing(tmp_path: 
                 kill_named(out)
                 continue
             assert None not in codes, f"deadline passed\n{report}"
-            _check_unharmed(out, report)
+            _check_unharmed(out, report, _rank0_output(out))
             assert codes == [0] * (WORLD + 1), report
             return
     finally:
@@ -272,9 +304,12 @@ def test_planted_preflight_records_without_a_secret_fail_start_up_typed(tmp_path
 def test_with_a_secret_planted_preflight_records_are_ignored(tmp_path: Path) -> None:
     """Item 5 with a secret (rd.spawn): the same planted verdict and facts; start-up goes
     on and every rank trains to the same state."""
-    outcomes = run_ranks(
-        h.preflight_secret_job, WORLD, (str(tmp_path),), timeout=timedelta(seconds=DEADLINE_S)
-    )
+    try:
+        outcomes = run_ranks(
+            h.preflight_secret_job, WORLD, (str(tmp_path),), timeout=timedelta(seconds=DEADLINE_S)
+        )
+    finally:
+        kill_named(tmp_path)  # the attacker, should a rank have died before ending it
     report = format_outcomes(outcomes) + "\n" + _outputs(tmp_path)
     assert (_read(tmp_path / "attacker_preflight.json") or {}).get("planted"), report
     assert all(o.ok for o in outcomes), report
@@ -288,14 +323,17 @@ def test_with_a_secret_garbage_a_kill_and_a_replay_name_the_culprit_only(
     """Items 4 and 6 with a secret (rd.spawn, restarts=1): garbage in the event counter,
     over the heartbeats during start-up, 64 MiB of junk in the event log; SIGKILL of rank
     2; its replacement joins; the old members and gen records written back."""
-    outcomes = run_ranks(
-        h.secret_job,
-        WORLD,
-        (str(tmp_path),),
-        timeout=timedelta(seconds=DEADLINE_S),
-        grace=timedelta(seconds=10),
-        restarts=1,
-    )
+    try:
+        outcomes = run_ranks(
+            h.secret_job,
+            WORLD,
+            (str(tmp_path),),
+            timeout=timedelta(seconds=DEADLINE_S),
+            grace=timedelta(seconds=10),
+            restarts=1,
+        )
+    finally:
+        kill_named(tmp_path)  # the attacker, should a rank have died before ending it
     report = format_outcomes(outcomes) + "\n" + _outputs(tmp_path)
     attacker = _read(tmp_path / "attacker.json")
     assert attacker is not None, report
