@@ -37,7 +37,7 @@ from torch import nn
 
 import resilient_ddp as rd
 
-READY_STEP = 10
+READY_STEP = 20
 TAIL = 20
 MAX_STEPS = 3000  # about 40 s at the pace below: the attacker never finished
 PACE_S = 0.01  # between steps, so that the attacker's seconds are a few hundred steps
@@ -125,7 +125,7 @@ def train(
         step += 1
         time.sleep(PACE_S)
     stats = model.resilience_stats
-    before = times[1:READY_STEP] if len(times) > READY_STEP else times
+    before = times[2:READY_STEP]  # the first steps warm up
     after = times[-TAIL:]
     return {
         "rank": rank,
