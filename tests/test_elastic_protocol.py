@@ -1320,7 +1320,7 @@ def test_members_read_an_admission_that_does_not_grow_with_the_world() -> None:
         record = jobs.decision("grow/g0")
         assert record is not None
         assert "members" not in record
-        sizes[world] = len(base.get("rd/job/grow/g0"))
+        sizes[world] = len(base.get(f"{root.prefix}/grow/g0"))
         # Another member derives it from its own copy; one whose copy differs refuses it.
         assert elastic._admission("grow/g0", record, list(range(world))) == want
         with pytest.raises(ControlPlaneError, match="copy differs"):

@@ -211,7 +211,8 @@ def test_what_each_survivor_reads_of_the_decision_does_not_grow_with_the_world()
 
 
 def _plant(base: Any, value: str) -> None:
-    base.set(f"rd/job/{DECISION}", value)
+    # Under the job's namespace, whose name a keyed job derives from its key
+    base.set(f"{ctl.root_prefix(base, 'job', 'secret').prefix}/{DECISION}", value)
 
 
 def test_a_decision_without_the_jobs_mac_is_ignored() -> None:
@@ -234,7 +235,7 @@ def test_a_decision_without_the_jobs_mac_is_ignored() -> None:
     ranks.start()
     dec = _same(ranks.decisions())
     assert (dec["members"], dec["lost"]) == ([0, 1, 2], [3]), dec
-    assert base.check([f"rd/job/{DECISION}/1"])
+    assert base.check([f"{root.prefix}/{DECISION}/1"])
 
 
 def test_a_decision_a_rank_cannot_follow_is_refused() -> None:
@@ -340,7 +341,7 @@ def test_a_claim_that_is_not_a_claim_makes_every_rank_decide() -> None:
     base = dist.HashStore()
     root = ctl.root_prefix(base, "job", "secret")
     ranks = _Ranks(root, 4, [0, 1, 2], dead=(3,))
-    base.set(f"rd/job/{CLAIM}", '{"rank": 0}')  # plain JSON: no MAC
+    base.set(f"{root.prefix}/{CLAIM}", '{"rank": 0}')  # plain JSON: no MAC
     t0 = time.monotonic()
     ranks.start()
     dec = _same(ranks.decisions())
@@ -361,6 +362,6 @@ def test_forgetting_the_generation_deletes_the_claim() -> None:
     jobs.post_proposal(BASE, {"rank": 0})
     assert jobs.claim_decision(0, BASE, 0) == 0
     assert jobs.claim_decision(0, BASE, 1) == 0  # the first claim stands
-    assert base.check([f"rd/job/{CLAIM}"])
+    assert base.check([f"{root.prefix}/{CLAIM}"])
     jobs.forget_generation(0, 4)
     assert base.num_keys() == before

@@ -72,6 +72,7 @@ import logging
 import os
 import secrets
 import socket
+import stat as stat_mod
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
@@ -126,44 +127,136 @@ def check_job_id(job_id: str) -> str:
 
 
 class JobRoot(dist.PrefixStore):
-    """Job ``job_id``'s namespace ``rd/<job_id>/`` in a store, with the job's record key.
+    """Job ``job_id``'s namespace in a store, with the job's record key.
+
+    Without a key the namespace is ``rd/<job_id>/``. With one it is
+    ``rd/<job_id>/<tag>/``, ``tag`` being 128 bits derived from the key
+    (:func:`names_tag`): a process that does not hold the key cannot name any key of the
+    job (a TCPStore cannot list its keys), so it can neither read, overwrite, delete nor
+    append to them; and a record it plants anywhere else is never read.
 
     Attributes:
         job_id: The job's id.
-        mac_key: 32 bytes derived from the job's secret (``RESILIENT_DDP_SECRET``), or None
+        mac_key: 32 bytes derived from the job's secret (see :func:`root_prefix`), or None
             when the job has none: then records are not authenticated.
+        prefix: The namespace's prefix in the store (``rd/<job_id>`` or
+            ``rd/<job_id>/<tag>``).
     """
 
     def __init__(self, job_id: str, store: dist.Store, mac_key: bytes | None) -> None:
-        super().__init__(f"rd/{check_job_id(job_id)}", store)
+        check_job_id(job_id)
+        prefix = f"rd/{job_id}" if mac_key is None else f"rd/{job_id}/{names_tag(mac_key)}"
+        super().__init__(prefix, store)
         self.job_id = job_id
         self.mac_key = mac_key
+        self.prefix = prefix
         self.base = store
+        # Whether a process outside the group can join: it needs the operator's secret;
+        # a key the ranks agreed on among themselves (group_secret) is known to no joiner.
+        self.joinable = mac_key is not None
 
     def clone(self) -> JobRoot:
         """The same namespace over a new connection (``Store.clone``) where the store has
         one, else over the same connection."""
         clone = getattr(self.base, "clone", None)
-        return JobRoot(self.job_id, clone() if clone is not None else self.base, self.mac_key)
+        root = JobRoot(self.job_id, clone() if clone is not None else self.base, self.mac_key)
+        root.joinable = self.joinable
+        return root
+
+
+def names_tag(key: bytes) -> str:
+    """The part of a keyed job namespace's name derived from the job's record key."""
+    return hmac.new(key, b"resilient_ddp/names", "sha256").hexdigest()[:32]
+
+
+SECRET_FILE_ENV = "RESILIENT_DDP_SECRET_FILE"
+_MIN_SECRET = 16  # characters of a secret the operator gives
+
+
+def operator_secret() -> str | None:
+    """The job secret the operator gave: ``RESILIENT_DDP_SECRET``, else the content of
+    the file named by ``RESILIENT_DDP_SECRET_FILE`` (surrounding white space dropped);
+    None when neither is set. :func:`resilient_ddp.spawn` sets the first for its ranks.
+
+    Reads the file each call (a few microseconds; called at start-up only).
+
+    Raises:
+        ConfigError: The file cannot be read, is not a regular file, is too short, does not
+            belong to this user, or other users may read or write it (its mode must be
+            ``0600`` or ``0400``).
+    """
+    secret = os.environ.get(SECRET_ENV)
+    if secret:
+        return secret
+    path = os.environ.get(SECRET_FILE_ENV)
+    if not path:
+        return None
+    return read_secret_file(path)
+
+
+def read_secret_file(path: str) -> str:
+    """The secret stored in ``path``, checked as :func:`operator_secret` says.
+
+    Raises:
+        ConfigError: See :func:`operator_secret`.
+    """
+    from .errors import ConfigError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ConfigError(
+            f"{SECRET_FILE_ENV}={path!r} cannot be opened ({type(e).__name__}: {e}); it must "
+            "name a regular file, owned by the job's user, that only this user can read"
+        ) from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise ConfigError(f"{SECRET_FILE_ENV}={path!r} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise ConfigError(
+                f"{SECRET_FILE_ENV}={path!r} belongs to uid {st.st_uid}, not to the job's "
+                f"user (uid {os.getuid()}): the job's secret must be readable by its user only"
+            )
+        if st.st_mode & 0o077:
+            raise ConfigError(
+                f"{SECRET_FILE_ENV}={path!r} has mode {stat_mod.S_IMODE(st.st_mode):04o}: "
+                f"other users may read or write the job's secret. Run: chmod 600 {path}"
+            )
+        raw = f.read(1 << 16)
+    secret = raw.decode(errors="replace").strip()
+    if len(secret) < _MIN_SECRET:
+        raise ConfigError(
+            f"{SECRET_FILE_ENV}={path!r} holds {len(secret)} character(s): a job secret needs "
+            f"at least {_MIN_SECRET} (for example: python -c 'import secrets; "
+            "print(secrets.token_hex(32))' > FILE; chmod 600 FILE)"
+        )
+    return secret
 
 
 def root_prefix(store: dist.Store, job_id: str, secret: str | None = None) -> JobRoot:
-    """Return job ``job_id``'s namespace ``rd/<job_id>/`` inside ``store``: no key of one
-    job is ever read by another job that shares the store.
+    """Return job ``job_id``'s namespace inside ``store``: no key of one job is ever read
+    by another job that shares the store.
 
     Args:
         store: The store.
         job_id: The job's id (see :func:`check_job_id`).
-        secret: The job's secret; default ``RESILIENT_DDP_SECRET`` from the environment.
-            With one, every record the library writes carries a MAC keyed by it, and a
-            record without a valid one (written by a process outside the job) is ignored.
-            The secret itself is never written anywhere.
+        secret: The job's secret; default the operator's (:func:`operator_secret`). With
+            one, every record the library writes carries a MAC keyed by it, a record
+            without a valid one (written by a process outside the job) is ignored, and the
+            namespace's name is derived from it (see :class:`JobRoot`). The secret itself
+            is never written anywhere.
+
+    Raises:
+        ConfigError: ``job_id`` is not valid, or the secret file is unusable.
     """
-    secret = os.environ.get(SECRET_ENV) if secret is None else secret
-    key = None
-    if secret:
-        key = hmac.new(secret.encode(), b"resilient_ddp/" + job_id.encode(), "sha256").digest()
-    return JobRoot(job_id, store, key)
+    secret = operator_secret() if secret is None else secret
+    return JobRoot(job_id, store, record_key(secret, job_id) if secret else None)
+
+
+def record_key(secret: str, job_id: str) -> bytes:
+    """Job ``job_id``'s record key, derived from its secret."""
+    return hmac.new(secret.encode(), b"resilient_ddp/" + job_id.encode(), "sha256").digest()
 
 
 def mac_key(store: dist.Store) -> bytes | None:
@@ -200,12 +293,21 @@ def control_store(
     control store for joiners. A joiner that was not given one takes the last job that
     started on the store. So no job ever reads another's keys on a long-lived store.
 
-    Blocks at most ``timeout`` (the ranks other than 0 wait for rank 0's job id).
+    The record key (every record sealed, the namespace's name derived from it; see
+    :class:`JobRoot`): from the operator's secret (:func:`operator_secret`) when there is
+    one; otherwise the ranks of torch's default group agree on one over the group
+    (:func:`group_secret`, every rank must call this then), and the namespace is not
+    ``joinable``: no process outside the group knows the key.
+
+    Blocks at most ``timeout`` (the ranks other than 0 wait for rank 0's job id, and for
+    its share of the key).
 
     Raises:
-        ConfigError: ``RESILIENT_DDP_JOB_ID`` is not a valid id.
+        ConfigError: ``RESILIENT_DDP_JOB_ID`` is not a valid id, or the secret file is
+            unusable.
         PreflightError: No job id arrived in time (rank 0, or for a joiner any job, never
-            started on this store).
+            started on this store); the ranks did not agree on a key in time; or a joiner
+            has no secret.
     """
     addr = os.environ.get(STORE_ENV)
     if addr:
@@ -221,6 +323,16 @@ def control_store(
         # A group the user created has no attempt namespace of its own: without one, a
         # restarted torchrun attempt would read the previous attempt's control plane.
         root = attempt_namespace(dist.distributed_c10d._get_default_store())
+    secret = operator_secret()
+    if joiner and secret is None:
+        from .errors import PreflightError
+
+        raise PreflightError(
+            "this process cannot join the running job: joining needs the job's secret, "
+            f"set on every rank ({SECRET_ENV}, or {SECRET_FILE_ENV} naming a file only the "
+            "job's user can read); resilient_ddp.spawn sets one itself",
+            problems=["no job secret for a joiner"],
+        )
     job = os.environ.get(JOB_ENV)
     if job:
         job = check_job_id(job)
@@ -230,7 +342,53 @@ def control_store(
         job = _job_of_this_group(timeout)
     if not joiner and (not dist.is_initialized() or dist.get_rank() == 0):
         root.set(CURRENT_JOB_KEY, job)
-    return root_prefix(root, job)
+    if secret is None and dist.is_initialized():
+        # No secret given: the ranks of the formed group agree on one over the group
+        # itself, never through the store (an outsider cannot take a rank of a formed
+        # group without breaking it). Nobody outside the group can then join.
+        jr = root_prefix(root, job, group_secret(timeout))
+        jr.joinable = False
+        return jr
+    return root_prefix(root, job, secret)
+
+
+_SECRET_BYTES = 32
+
+
+def group_secret(timeout: timedelta) -> str:
+    """A secret drawn by rank 0 of torch's default group and sent to every rank over the
+    group (one broadcast of 32 bytes), never through a store. Every rank must call it.
+
+    Blocks until every rank of the group called it, at most ``timeout``.
+
+    Raises:
+        PreflightError: A rank did not take part in time, or the group failed.
+    """
+    import torch
+
+    backend = str(dist.get_backend())
+    device = torch.device("cpu")
+    if backend == "nccl":  # the only backend with no CPU path in the default group
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(_SECRET_BYTES, dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        drawn = torch.frombuffer(bytearray(secrets.token_bytes(_SECRET_BYTES)), dtype=torch.uint8)
+        buf.copy_(drawn)
+    try:
+        work = dist.broadcast(buf, src=0, async_op=True)
+        if work is not None:
+            work.wait(timeout)
+    except (RuntimeError, OSError) as e:
+        from .errors import PreflightError
+
+        raise PreflightError(
+            f"rank {dist.get_rank()}: the ranks could not agree on the job's record key over "
+            f"the process group within {timeout} ({type(e).__name__}: {e}): every rank "
+            "must call resilient_ddp.init_process_group() (or its first resilient_ddp "
+            "collective) at start-up",
+            problems=["record key not agreed"],
+        ) from e
+    return bytes(buf.cpu().tolist()).hex()
 
 
 _JOB_KEY = "resilient_ddp/job_id"
@@ -289,7 +447,7 @@ def unseal(key: bytes | None, name: str, raw: bytes | str) -> Any:
         text = raw.decode() if isinstance(raw, bytes) else raw
         if key is not None:
             mac, _, text = text.partition(" ")
-            if not hmac.compare_digest(mac, _mac(key, name, text)):
+            if len(mac) != _MAC_CHARS or not hmac.compare_digest(mac, _mac(key, name, text)):
                 _note_rejected(name, "no valid MAC")
                 return None
         return json.loads(text)
@@ -312,19 +470,26 @@ def _mac(key: bytes, name: str, body: str) -> str:
     return hmac.new(key, msg, "sha256").hexdigest()[:_MAC_CHARS]
 
 
-_rejected: set[str] = set()
+_rejected: dict[str, int] = {}
+
+
+def rejected_records() -> dict[str, int]:
+    """How many records this process ignored, by key family (the key's name without its
+    generation and rank parts): records the job did not write (not its MAC, not JSON, not
+    a number), and replays (older generations or beats, copies of log lines)."""
+    return dict(_rejected)
 
 
 def _note_rejected(name: str, why: str) -> None:
-    """Log once per key family (``name`` without its generation and rank parts) that a
-    record read under ``name`` was ignored, and ``why``: another process writes to the
-    job's store (a stale client, a bug, or an attacker)."""
+    """Count that a record read under ``name`` was ignored, and log it once per key
+    family, with ``why``: the store holds data this job did not write (a stale client, a
+    bug, or an attacker)."""
     family = "/".join(p for p in name.split("/") if not p.lstrip("gr").isdigit())
-    if family not in _rejected:
-        _rejected.add(family)
+    n = _rejected[family] = _rejected.get(family, 0) + 1
+    if n == 1:
         log.warning(
-            "resilient_ddp: ignored a record under %r in the control-plane store (%s): a "
-            "process outside the job wrote to the job's store",
+            "resilient_ddp: ignored a record under %r in the control-plane store (%s): the "
+            "store holds data this job did not write (further ones are counted)",
             name,
             why,
         )
@@ -412,6 +577,12 @@ class ControlPlane:
         self.generation = generation
         self.store: dist.Store = dist.PrefixStore(f"g{generation}", root)
         self.key = mac_key(root)
+        # Replays: the highest beat read of each rank (a heartbeat whose beat is lower is
+        # an old record written back: ignored).
+        self._beats: dict[int, int] = {}
+        # The event log, read incrementally (see read_events).
+        self._log = _LogReader(self.key, self._name("ev/log"))
+        self._nudge = 0  # see poll
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Bound every call of this control plane's connection (a call that gets no answer
@@ -497,7 +668,14 @@ class ControlPlane:
         keys = [f"{g}/ev/n", f"{g}/diag"] + [f"{g}/state/{r}" for r in watched]
         raw = self._call(self.root.multi_get, keys + (["join/n"] if joins else []))
         states = self._parse(keys[2:], watched, raw[2 : 2 + len(watched)], prefixed=True)
-        return _count(raw[0]), _count(raw[1]), states, _count(raw[-1]) if joins else -1
+        events = _number(raw[0], keys[0])
+        if events is None or self._log.behind:
+            # The counter holds data the job did not write, or the last read of the log
+            # stopped at its cap: a count never seen before, so that the caller reads the
+            # log (incrementally, bounded) at every poll until it is caught up.
+            self._nudge -= 1
+            events = self._nudge
+        return events, _count(raw[1], keys[1]), states, _count(raw[-1], "join/n") if joins else -1
 
     # -- events ------------------------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:
@@ -513,30 +691,50 @@ class ControlPlane:
         lines = "\n" + "".join(seal(self.key, name, e) + "\n" for e in events)
         # Store.append exists on every store torch>=2.3 ships; the stubs omit it.
         self._call(getattr(self.store, "append"), "ev/log", lines)  # noqa: B009
-        self._call(self.store.add, "ev/n", len(events))
+        self._add("ev/n", len(events))
 
-    def read_events(self) -> list[dict[str, Any]]:
+    def read_events(self, *, whole: bool = False) -> list[dict[str, Any]]:
         """The events posted so far, in order; a line that is not a valid record (another
-        process appended it) is skipped and logged once."""
+        process appended it), or a copy of an earlier line (a replay), is skipped and
+        counted (:func:`rejected_records`).
+
+        Incremental: only the bytes appended since this instance's last read are parsed,
+        at most :data:`MAX_LOG_PARSE` bytes a call unless ``whole`` (the rest at the next
+        calls; :meth:`poll` says when one is due). Two round trips.
+        """
         if not self._call(self.store.check, ["ev/log"]):
-            return []
+            return self._log.events
         raw = self._call(self.store.get, "ev/log")
-        return read_log(self.key, self._name("ev/log"), raw)
+        events = self._log.read(raw)
+        while whole and self._log.behind:
+            events = self._log.read(raw)
+        return events
 
     def event_count(self) -> int:
-        """The number of events posted (0 before the counter exists)."""
+        """The number of events posted (0 before the counter exists, or while it holds
+        data the job did not write)."""
         # check and get, not add(key, 0): an add on a value that is not a number (written
         # by a process outside the job) makes the server drop the connection.
         if not self._call(self.store.check, ["ev/n"]):
             return 0
-        return _count(self._call(self.store.get, "ev/n"))
+        return _count(self._call(self.store.get, "ev/n"), self._name("ev/n"))
 
     def claim(self, rank: int) -> bool:
         """Return True for the first caller that reports rank ``rank``'s failure."""
-        return int(self._call(self.store.add, f"claim/{rank}", 1)) == 1
+        return self._add(f"claim/{rank}", 1) == 1
 
     def request_diagnosis(self) -> int:
-        return int(self._call(self.store.add, "diag", 1))
+        return self._add("diag", 1)
+
+    def _add(self, key: str, n: int) -> int:
+        """``add(key, n)`` that survives data the job did not write under ``key``: the
+        server drops the connection of an ``add`` on a value that is not a number, which
+        would read as a lost store. Such a value is replaced by 0 (and counted, see
+        :func:`rejected_records`) first. Two round trips (failure path only)."""
+        cur = self._call(self.store.compare_set, key, "", "0")  # creates it at 0 if missing
+        if _number(cur, self._name(key)) is None:
+            self._call(self.store.compare_set, key, cur, "0")
+        return int(self._call(self.store.add, key, n))
 
     # -- shared diagnoses --------------------------------------------------------------------
     def claim_diagnosis(self, seq: int, k: int) -> bool:
@@ -544,7 +742,7 @@ class ControlPlane:
         it diagnoses and publishes its verdict (:meth:`publish_verdict`); the others read it
         (:meth:`read_verdict`). One round trip."""
         key = f"dg/{seq}/{k}/claim"
-        first = int(self._call(self.store.add, key, 1)) == 1
+        first = self._add(key, 1) == 1
         if first:
             self.note_keys([key, f"dg/{seq}/{k}/v"])
         return first
@@ -616,9 +814,17 @@ class ControlPlane:
     ) -> dict[int, dict[str, Any]]:
         out = {}
         for key, r, v in zip(keys, ranks, raw, strict=True):
-            rec = unseal_dict(self.key, key if prefixed else self._name(key), v)
-            if rec is not None:
-                out[r] = rec
+            name = key if prefixed else self._name(key)
+            rec = unseal_dict(self.key, name, v)
+            if rec is None:
+                continue
+            beat = rec.get("beat")
+            if "/state/" in name and isinstance(beat, int):
+                if beat < self._beats.get(r, beat):
+                    _note_rejected(name, "an older heartbeat written back (a replay)")
+                    continue
+                self._beats[r] = beat
+            out[r] = rec
         return out
 
     @staticmethod
@@ -757,6 +963,11 @@ class JobStore:
     def __init__(self, root: dist.Store) -> None:
         self.root = root
         self.key = mac_key(root)
+        # Replays: generations only grow. The highest generation read under ``gen``, and
+        # the ``members`` record of the highest generation read: an older record written
+        # back is ignored (the launcher kills the processes a record leaves out).
+        self._gen_seen = 0
+        self._members: dict[str, Any] | None = None
 
     # -- plumbing ----------------------------------------------------------------------------
     def _c(self, fn: Any, *args: Any) -> Any:
@@ -840,13 +1051,22 @@ class JobStore:
 
     # -- generations -------------------------------------------------------------------------
     def generation(self) -> int:
-        """The current generation (0 before any rebuild)."""
-        raw = self._c(self.root.get, "gen") if self._has("gen") else b"0"
-        return _count(raw)
+        """The current generation (0 before any rebuild). A record that is not the job's,
+        or names a generation lower than one this instance read before (a replay), is
+        ignored: the highest read so far stands."""
+        rec = self._get("gen")
+        gen = rec.get("gen") if isinstance(rec, dict) else None
+        if not isinstance(gen, int) or isinstance(gen, bool):
+            return self._gen_seen
+        if gen < self._gen_seen:
+            _note_rejected("gen", "an older generation written back (a replay)")
+            return self._gen_seen
+        self._gen_seen = gen
+        return gen
 
     def set_generation(self, generation: int) -> None:
         """Record the current generation (rank 0 of it does; the launcher reads it)."""
-        self._c(self.root.set, "gen", str(generation))
+        self._put("gen", {"gen": generation})
 
     def vote_retry(self, generation: int, seq: int, attempt: int) -> int:
         """Vote, as one rank of ``generation``, to redo op ``seq`` (``attempt``); return
@@ -874,8 +1094,21 @@ class JobStore:
         return int(self._c(self.root.add, "gen_seq", 1))
 
     def members(self) -> dict[str, Any] | None:
+        """The last complete generation's record ``{"gen": N, "members": [ids]}``, or None
+        before there is one. A record of a generation lower than one this instance read
+        before (a replay) is ignored: the newest read stands."""
         rec = self._get("members")
-        return rec if isinstance(rec, dict) else None
+        if not isinstance(rec, dict):
+            return self._members
+        gen = rec.get("gen")
+        if not isinstance(gen, int) or not isinstance(rec.get("members"), list):
+            return self._members
+        last = self._members
+        if last is not None and gen < int(last["gen"]):
+            _note_rejected("members", "an older generation written back (a replay)")
+            return last
+        self._members = rec
+        return self._members
 
     def set_members(self, generation: int, members: list[int]) -> None:
         self._put("members", {"gen": generation, "members": members})
@@ -1119,28 +1352,81 @@ class JobStore:
         return who
 
 
-def read_log(key: bytes | None, name: str, raw: bytes) -> list[dict[str, Any]]:
-    """The valid records of a JSON-lines log stored under ``name``, in order."""
+def read_log(
+    key: bytes | None, name: str, raw: bytes, seen: set[str] | None = None
+) -> list[dict[str, Any]]:
+    """The valid records of a JSON-lines log stored under ``name``, in order. With
+    ``seen`` (which this updates) and a key, a line equal to an earlier one is a replay
+    and skipped: every event the job writes is distinct (its MAC covers a body with its
+    own time and reporter)."""
     try:
         text = raw.decode()
     except UnicodeDecodeError:
         text = raw.decode(errors="replace")
     out = []
     for line in text.splitlines():
-        if line:
-            rec = unseal_dict(key, name, line)
-            if rec is not None:
-                out.append(rec)
+        if not line:
+            continue
+        if key is not None and seen is not None:
+            if line in seen:
+                _note_rejected(name, "a copy of an earlier record (a replay)")
+                continue
+            seen.add(line)
+        rec = unseal_dict(key, name, line)
+        if rec is not None:
+            out.append(rec)
     return out
 
 
-def _count(raw: bytes) -> int:
-    """A counter's value (``add``); garbage written over one reads as 0."""
+def _number(raw: bytes, name: str = "counter") -> int | None:
+    """A counter's value (``add``), or None (counted, see :func:`rejected_records`) for
+    data that is not a number: another process wrote it."""
     try:
         return int(raw)
     except ValueError:
-        _note_rejected("counter", "not a number")
-        return 0
+        _note_rejected(name, "not a number")
+        return None
+
+
+def _count(raw: bytes, name: str = "counter") -> int:
+    """A counter's value; data that is not a number reads as 0 (see :func:`_number`)."""
+    n = _number(raw, name)
+    return 0 if n is None else n
+
+
+# Parsed at most per read of a log (see _LogReader).
+MAX_LOG_PARSE = 1 << 20
+
+
+class _LogReader:
+    """A JSON-lines log of sealed records, read incrementally: each :meth:`read` parses
+    only the complete lines appended since the last one, at most :data:`MAX_LOG_PARSE`
+    bytes (``behind`` says more is waiting), and drops copies of earlier lines."""
+
+    def __init__(self, key: bytes | None, name: str) -> None:
+        self.key, self.name = key, name
+        self.events: list[dict[str, Any]] = []
+        self.offset = 0  # bytes consumed (complete lines)
+        self.mark = b""  # the last bytes consumed: tells a log that was replaced
+        self.seen: set[str] = set()
+        self.behind = False
+
+    def read(self, raw: bytes) -> list[dict[str, Any]]:
+        raw = bytes(raw)
+        if len(raw) < self.offset or raw[self.offset - len(self.mark) : self.offset] != self.mark:
+            # Not the log read before (deleted and written again): from the start.
+            self.events, self.offset, self.mark, self.seen = [], 0, b"", set()
+        end = min(len(raw), self.offset + MAX_LOG_PARSE)
+        cut = raw.rfind(b"\n", self.offset, end)
+        if cut < 0 and end - self.offset >= MAX_LOG_PARSE:
+            cut = end - 1  # one line longer than the cap: no record of ours; skipped
+        if cut >= self.offset:
+            chunk = raw[self.offset : cut + 1]
+            self.events.extend(read_log(self.key, self.name, chunk, self.seen))
+            self.offset = cut + 1
+            self.mark = raw[max(0, self.offset - 64) : self.offset]
+        self.behind = raw.find(b"\n", self.offset) >= 0
+        return self.events
 
 
 # -- identity helpers -------------------------------------------------------------------------

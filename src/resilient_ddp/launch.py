@@ -26,8 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from . import _control as ctl
 from . import _runtime
 from .errors import RankOutcome, SpawnError
@@ -258,7 +256,7 @@ class _Job:
                 if failed and not self.elastic:
                     kill_at = min(kill_at, now + grace.total_seconds())
                 if p.exitcode != 0 and not raised and not self.elastic:
-                    _report_death(self.control_root, rank, p.exitcode)
+                    _report_death(self.jobs, rank, p.exitcode)
             if now >= next_event_poll and kill_at == float("inf") and not self.elastic:
                 # A failure reported by the ranks themselves (a timeout naming a stopped
                 # rank, say) also starts the grace period: such a rank may never exit.
@@ -266,7 +264,7 @@ class _Job:
                 # Elastic training (on_failure="shrink"), even without replacements: the
                 # survivors go on, so they are not stopped after a failure.
                 self.elastic = _store_has(self.jobs.is_elastic)
-                events_seen, failed_seen = _failure_reported(self.control_root, events_seen)
+                events_seen, failed_seen = _failure_reported(self.jobs, events_seen)
                 if failed_seen and not self.elastic:
                     kill_at = now + grace.total_seconds()
             if self.elastic and kill_at == float("inf") and now >= next_event_poll:
@@ -382,15 +380,18 @@ def _drain(conn: Any, rank: int, results: dict[int, tuple[str, Any]]) -> None:
         )
 
 
-def _failure_reported(control_root: dist.Store, seen: int) -> tuple[int, bool]:
-    """Whether a failure event appeared in the current generation's log since ``seen``."""
+def _failure_reported(jobs: ctl.JobStore, seen: int) -> tuple[int, bool]:
+    """Whether a failure event appeared in the current generation's log since ``seen``.
+    ``jobs`` is the launcher's own (generations only grow: an old ``gen`` written back is
+    ignored)."""
     try:
-        control = ctl.ControlPlane(control_root, ctl.JobStore(control_root).generation())
+        control = ctl.ControlPlane(jobs.root, jobs.generation())
         n = control.event_count()
         if n == seen:
             return seen, False
         failed = any(
-            ev["kind"] != ctl.EV_LEFT and not ev.get("secondary") for ev in control.read_events()
+            ev["kind"] != ctl.EV_LEFT and not ev.get("secondary")
+            for ev in control.read_events(whole=True)
         )
         return n, failed
     except Exception:  # noqa: BLE001 - the store is ours; failing to read it is not fatal
@@ -406,7 +407,7 @@ def _store_has(ask: Callable[[], bool]) -> bool:
         return False
 
 
-def _report_death(control_root: dist.Store, rank: int, exitcode: int) -> None:
+def _report_death(jobs: ctl.JobStore, rank: int, exitcode: int) -> None:
     """Tell the survivors, through the store, how rank ``rank`` died."""
     what = (
         f"was killed by {_signal_name(-exitcode)}"
@@ -414,8 +415,8 @@ def _report_death(control_root: dist.Store, rank: int, exitcode: int) -> None:
         else f"exited with code {exitcode}"
     )
     try:
-        gen = ctl.JobStore(control_root).generation()
-        control = ctl.ControlPlane(control_root, gen)
+        gen = jobs.generation()
+        control = ctl.ControlPlane(jobs.root, gen)
         if not control.has_state(rank) or not control.claim(rank):
             return
         state = control.read_states([rank]).get(rank, {})

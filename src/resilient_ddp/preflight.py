@@ -25,7 +25,9 @@ inside the TCPStore constructor, silently, until every rank connects).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hmac
 import json
 import logging
 import os
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import nccl_version
-from ._control import Backoff, serve_store
+from ._control import Backoff, operator_secret, seal, serve_store, unseal_dict
 from ._control import present as _present
 from .errors import PreflightError, format_rank_table
 
@@ -76,6 +78,8 @@ class Environment:
     local_world_size: int
     restart: int  # torchrun's restart count: keeps each attempt's keys apart
     agent_store: bool  # torchrun's agent hosts the store; every rank is a client
+    # Seals the preflight records when the operator gave a secret (see _record_key).
+    key: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def check_environment(
@@ -294,6 +298,7 @@ def preflight(
             f"(host {socket.gethostname()}):\n" + "\n".join(f"  - {p}" for p in problems),
             problems=problems,
         )
+    env = dataclasses.replace(env, key=_record_key())
     store = _open_store(env, deadline, store_timeout)
     facts = local_facts(backend, env)
     hosting = env.rank == 0 and not env.agent_store
@@ -478,10 +483,11 @@ def _exchange(
             stopped answering.
     """
     prefix = f"{_PREFIX}/{env.restart}"
-    _call(env, store.set, f"{prefix}/{env.rank}", json.dumps(facts))
+    own = f"{prefix}/{env.rank}"
+    _call(env, store.set, own, seal(env.key, own, facts))
     # Then counted: the checker polls the count, and reads the ranks' keys only when it
     # moved to every rank (the last rank's key is there before its count).
-    _call(env, store.add, f"{prefix}/n", 1)
+    _add(store, env, f"{prefix}/n", 1)
     table = {env.rank: facts}
     verdict, mine = _await_verdict(store, env, deadline, table)
     return _conclude(store, env, verdict, mine, table)
@@ -501,7 +507,7 @@ def _await_verdict(
     poll, seen = Backoff(env.world_size, 1), -1
     while time.monotonic() < deadline:
         if checker:
-            count = int(_call(env, store.add, f"{prefix}/n", 0))
+            count = _add(store, env, f"{prefix}/n", 0)
             if count != seen:
                 poll.reset()
                 seen = count
@@ -553,7 +559,13 @@ def _read_facts(
     """The facts of ``ranks`` (whose keys exist), in one request."""
     ranks = list(ranks)
     values = _call(env, store.multi_get, [keys[r] for r in ranks]) if ranks else []
-    return {r: json.loads(v) for r, v in zip(ranks, values, strict=True)}
+    table = {}
+    for r, v in zip(ranks, values, strict=True):
+        facts = unseal_dict(env.key, keys[r], v)
+        if facts is None or not all(isinstance(x, str) for x in facts.values()):
+            raise _not_ours(env, keys[r], v)
+        table[r] = facts
+    return table
 
 
 def _judge(env: Environment, table: dict[int, dict[str, str]]) -> dict[str, Any]:
@@ -571,7 +583,7 @@ def _propose(
 ) -> tuple[dict[str, Any], bool]:
     """Publish ``verdict`` unless one is there already: the first one written wins. One
     request. Returns the winner and whether it is ``verdict``."""
-    packed = _pack(verdict)
+    packed = _seal_bytes(env.key, f"{_PREFIX}/{env.restart}/verdict", _pack(verdict))
     winner = _call(env, store.compare_set, f"{_PREFIX}/{env.restart}/verdict", "", packed)
     if bytes(winner) == packed:
         return verdict, True
@@ -661,23 +673,76 @@ def _unpack(env: Environment, raw: bytes) -> dict[str, Any]:
     Raises:
         PreflightError: It is not one (another process wrote the key).
     """
-    try:
-        verdict = json.loads(zlib.decompress(bytes(raw)))
-    except (zlib.error, ValueError) as e:
-        verdict = e
+    name = f"{_PREFIX}/{env.restart}/verdict"
+    body = _unseal_bytes(env.key, name, bytes(raw))
+    verdict: Any = None
+    if body is not None:
+        try:
+            verdict = json.loads(zlib.decompress(body))
+        except (zlib.error, ValueError):
+            verdict = None
     if (
         not isinstance(verdict, dict)
         or not isinstance(verdict.get("rank"), int)
         or not isinstance(verdict.get("problems"), list)
     ):
-        problem = f"unreadable preflight verdict in the store at {env.master_addr}"
-        raise PreflightError(
-            f"Rank {env.rank} read a preflight verdict it cannot parse from the rendezvous "
-            f"store at {env.master_addr}:{env.master_port} ({verdict!r:.200}): another "
-            "process writes under rd/preflight/ in this store.",
-            problems=[problem],
-        )
+        raise _not_ours(env, name, raw)
     return verdict
+
+
+def _record_key() -> bytes | None:
+    """The key that seals the preflight records, from the operator's secret (None without
+    one: the job's own key is agreed only once the group has formed)."""
+    secret = operator_secret()
+    if not secret:
+        return None
+    return hmac.new(secret.encode(), b"resilient_ddp/preflight", "sha256").digest()
+
+
+_MAC_CHARS = 32
+
+
+def _seal_bytes(key: bytes | None, name: str, body: bytes) -> bytes:
+    """``body`` as stored under ``name``: with a key, its MAC (hex) and a space in front."""
+    if key is None:
+        return body
+    mac = hmac.new(key, name.encode() + b"\0" + body, "sha256").hexdigest()[:_MAC_CHARS]
+    return mac.encode() + b" " + body
+
+
+def _unseal_bytes(key: bytes | None, name: str, raw: bytes) -> bytes | None:
+    """The body of ``raw`` (see :func:`_seal_bytes`), or None without a valid MAC."""
+    if key is None:
+        return raw
+    mac, _, body = raw.partition(b" ")
+    good = hmac.new(key, name.encode() + b"\0" + body, "sha256").hexdigest()[:_MAC_CHARS]
+    return body if hmac.compare_digest(mac, good.encode()) else None
+
+
+def _not_ours(env: Environment, name: str, raw: Any) -> PreflightError:
+    """The error for a record under ``name`` that this job did not write."""
+    sealed = "sealed with the job's secret" if env.key is not None else "the job's format"
+    return PreflightError(
+        f"Rank {env.rank} read a start-up record under {name!r} in the rendezvous store at "
+        f"{env.master_addr}:{env.master_port} that was not written by this job (not "
+        f"{sealed}: {bytes(raw)[:80]!r}): another process writes under {_PREFIX}/ in this "
+        "store. Start-up stops here; keep the store's port reachable to the job only, and "
+        "give the ranks a secret (RESILIENT_DDP_SECRET or RESILIENT_DDP_SECRET_FILE) so "
+        "that such records are told apart.",
+        problems=[f"a record under {name} not written by this job"],
+    )
+
+
+def _add(store: dist.Store, env: Environment, key: str, n: int) -> int:
+    """``store.add(key, n)``; data the job did not write under ``key`` (the server drops
+    the connection of an ``add`` on a value that is not a number: it would read as a lost
+    store) is reported as such. Two requests."""
+    cur = _call(env, store.compare_set, key, "", "0")  # creates it at 0, never waits
+    try:
+        int(cur)
+    except ValueError:
+        raise _not_ours(env, key, cur) from None
+    return int(_call(env, store.add, key, n)) if n else int(cur)
 
 
 def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: timedelta) -> None:

@@ -174,6 +174,8 @@ def attach(
         control_root=ctl.control_store(store, timeout=cfg.init_timeout),
         config=cfg,
     )
+    if rt.rank == 0:
+        _say_protection(rt)
     _join_control_plane(rt)
     from ._torchelastic import plain_init_restart_hint
 
@@ -184,6 +186,29 @@ def attach(
     _runtime.set_current(rt)
     _runtime.install_hooks()
     return rt
+
+
+def _say_protection(rt: Runtime) -> None:
+    """One line at start-up (rank 0): how the job's control plane is protected, and
+    whether processes outside the group can join it."""
+    root = rt.control_root
+    if ctl.mac_key(root) is None:  # a store given without a job namespace (tests)
+        return
+    if getattr(root, "joinable", True):
+        log.info(
+            "resilient_ddp: control plane sealed with the job's secret; replacements that "
+            "hold it may join"
+        )
+        return
+    elastic = rt.config.on_failure == "shrink"
+    (log.warning if elastic else log.info)(
+        "resilient_ddp: control plane sealed with a key the ranks agreed on at start-up; "
+        "joining this job is refused%s. To allow replacements to join, give every rank "
+        "the same secret: %s, or %s naming a file only the job's user can read",
+        " (shrink still works)" if elastic else "",
+        ctl.SECRET_ENV,
+        ctl.SECRET_FILE_ENV,
+    )
 
 
 def _join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:

@@ -1,0 +1,291 @@
+"""The control plane is safe by default (issue 29, items 1-6), checked on in-process stores.
+
+Every record of a job is sealed, with the operator's secret or with a key the ranks of the
+formed group agreed on; the job's keys live under a name derived from that key; old sealed
+records written back (replays) are ignored; data the job did not write in a counter or a
+log is counted and ignored, never a lost store nor detection switched off; logs are parsed
+in bounded pieces; preflight's records fail start-up with a typed message at most.
+The multi-process proof with a hostile client is tests/test_hostile_default.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from resilient_ddp import _control as ctl
+from resilient_ddp import preflight
+from resilient_ddp.errors import ConfigError, PreflightError
+
+SECRET = "a-long-enough-operator-secret"
+
+
+@pytest.fixture
+def no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (ctl.SECRET_ENV, ctl.SECRET_FILE_ENV, ctl.JOB_ENV, ctl.STORE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def one_rank_group(no_secret: None) -> Iterator[dist.Store]:
+    """A formed one-rank gloo group, as after ``init_process_group``; its store."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield store
+    finally:
+        dist.destroy_process_group()
+
+
+def _event(rank: int, t: float = 1.0) -> dict[str, object]:
+    return {"kind": ctl.EV_CRASH, "rank": rank, "reporter": 0, "gen": 0, "t": t, "culprit": {}}
+
+
+# -- 1. sealed by default --------------------------------------------------------------------
+def test_without_a_secret_the_group_agrees_on_a_key_and_refuses_joins(
+    one_rank_group: dist.Store,
+) -> None:
+    root = ctl.control_store(one_rank_group, timeout=timedelta(seconds=10))
+    assert isinstance(root, ctl.JobRoot)
+    assert root.mac_key is not None  # sealed although nobody gave a secret
+    assert root.joinable is False
+    # The job's keys live under a name derived from the key: not rd/<job>/g0/...
+    assert root.prefix.startswith(f"rd/{root.job_id}/")
+    assert len(root.prefix) > len(f"rd/{root.job_id}/") + 16
+    cp = ctl.ControlPlane(root, 0)
+    cp.init_counters()
+    cp.publish_state(0, {"beat": 1})
+    base = one_rank_group
+    assert not base.check([f"rd/{root.job_id}/g0/ev/n"])
+    raw = base.get(f"{root.prefix}/g0/state/0").decode()
+    assert ctl.unseal(None, "g0/state/0", raw) is None  # a MAC in front of the JSON
+    # Another draw (another job) gets another key: the secret is never in the store.
+    again = ctl.control_store(one_rank_group, timeout=timedelta(seconds=10))
+    assert isinstance(again, ctl.JobRoot)
+    assert again.mac_key != root.mac_key
+
+
+def test_a_joiner_without_the_operators_secret_is_refused_at_once(no_secret: None) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(PreflightError, match="joining needs the job's secret"):
+        ctl.control_store(dist.HashStore(), joiner=True, timeout=timedelta(seconds=30))
+    assert time.monotonic() - t0 < 1
+
+
+def test_an_outsider_writing_under_the_visible_names_changes_nothing(no_secret: None) -> None:
+    """Garbage in ``g0/ev/n``, forged events and a 64 MiB junk log under ``rd/<job>/``
+    (what a process without the key can name): the job reads none of it."""
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", SECRET)
+    cp = ctl.ControlPlane(root, 0)
+    cp.init_counters()
+    cp.publish_state(2, {"beat": 1})
+    base.set("rd/job/g0/ev/n", "garbage")
+    base.set("rd/job/g0/ev/log", json.dumps(_event(1)) + "\n")
+    base.append("rd/job/g0/ev/log", "x" * (64 << 20))
+    cp.post_event(_event(2))  # the real report of rank 2's death
+    n, diag, states, _ = cp.poll([2])
+    assert (n, diag, list(states)) == (1, 0, [2])
+    assert [e["rank"] for e in cp.read_events()] == [2]
+
+
+# -- secret file -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("mode", "content", "error"),
+    [
+        (0o600, SECRET + "\n", None),
+        (0o400, SECRET, None),
+        (0o640, SECRET, "mode 0640"),
+        (0o604, SECRET, "mode 0604"),
+        (0o620, SECRET, "mode 0620"),
+        (0o600, "short", "at least 16"),
+    ],
+)
+def test_the_secret_file_must_be_readable_by_the_jobs_user_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, content: str, error: str | None
+) -> None:
+    monkeypatch.delenv(ctl.SECRET_ENV, raising=False)
+    path = tmp_path / "secret"
+    path.write_text(content)
+    path.chmod(mode)
+    monkeypatch.setenv(ctl.SECRET_FILE_ENV, str(path))
+    if error is None:
+        assert ctl.operator_secret() == SECRET
+        root = ctl.root_prefix(dist.HashStore(), "job")
+        assert root.mac_key == ctl.root_prefix(dist.HashStore(), "job", SECRET).mac_key
+        assert root.joinable
+    else:
+        with pytest.raises(ConfigError, match=error):
+            ctl.operator_secret()
+
+
+def test_the_secret_file_is_not_followed_through_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ctl.SECRET_ENV, raising=False)
+    target = tmp_path / "secret"
+    target.write_text(SECRET)
+    target.chmod(0o600)
+    (tmp_path / "link").symlink_to(target)
+    monkeypatch.setenv(ctl.SECRET_FILE_ENV, str(tmp_path / "link"))
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        ctl.operator_secret()
+    monkeypatch.setenv(ctl.SECRET_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        ctl.operator_secret()
+
+
+# -- 4. replays --------------------------------------------------------------------------------
+def test_generations_only_grow_and_an_old_members_record_is_ignored() -> None:
+    """The launcher's view (one JobStore): an old sealed ``gen`` or ``members`` record
+    written back after a newer one is ignored, so the launcher never kills the joiner
+    the newer record admitted."""
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", SECRET)
+    ranks = ctl.JobStore(root)
+    launcher = ctl.JobStore(root)
+    ranks.set_generation(1)
+    ranks.set_members(1, [0, 1, 3])
+    assert launcher.generation() == 1
+    assert launcher.members() == {"gen": 1, "members": [0, 1, 3]}
+    old_gen, old_members = base.get(f"{root.prefix}/gen"), base.get(f"{root.prefix}/members")
+    ranks.set_generation(2)
+    ranks.set_members(2, [0, 1, 4])
+    assert launcher.generation() == 2
+    assert launcher.members() == {"gen": 2, "members": [0, 1, 4]}
+    base.set(f"{root.prefix}/gen", old_gen)
+    base.set(f"{root.prefix}/members", old_members)
+    assert launcher.generation() == 2
+    assert launcher.members() == {"gen": 2, "members": [0, 1, 4]}
+    # Unsealed values (the former format, or garbage) do not move it either.
+    base.set(f"{root.prefix}/gen", "7")
+    base.set(f"{root.prefix}/members", json.dumps({"gen": 9, "members": [0]}))
+    assert launcher.generation() == 2
+    assert launcher.members() == {"gen": 2, "members": [0, 1, 4]}
+    assert ctl.rejected_records().get("gen", 0) >= 1
+
+
+def test_an_old_heartbeat_and_a_copied_event_line_are_ignored() -> None:
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", SECRET)
+    rank1, reader = ctl.ControlPlane(root, 0), ctl.ControlPlane(root, 0)
+    rank1.publish_state(1, {"beat": 5, "status": "running"})
+    old = base.get(f"{root.prefix}/g0/state/1")
+    rank1.publish_state(1, {"beat": 6, "status": "running"})
+    assert reader.read_states([1])[1]["beat"] == 6
+    base.set(f"{root.prefix}/g0/state/1", old)
+    assert reader.read_states([1]) == {}  # left out: its silence goes on being timed
+    rank1.publish_state(1, {"beat": 7, "status": "running"})
+    assert reader.read_states([1])[1]["beat"] == 7
+    # A sealed event line appended again is a replay.
+    rank1.post_event(_event(1))
+    line = base.get(f"{root.prefix}/g0/ev/log").decode().strip()
+    base.append(f"{root.prefix}/g0/ev/log", "\n" + line + "\n")
+    base.add(f"{root.prefix}/g0/ev/n", 1)
+    assert len(reader.read_events()) == 1
+    # Generation 1's log does not take generation 0's records (the MAC covers the name).
+    base.append(f"{root.prefix}/g1/ev/log", "\n" + line + "\n")
+    assert ctl.ControlPlane(root, 1).read_events() == []
+
+
+# -- 6. garbage in counters and logs -----------------------------------------------------------
+def test_garbage_in_the_event_counter_neither_hides_a_failure_nor_loses_the_store() -> None:
+    """Garbage in ``g0/ev/n`` (and in a claim): the reporter of rank 2's death posts it
+    (no 'store unreachable'), and the other watchdogs still read it, naming rank 2."""
+    server = ctl.serve_store()
+    try:
+        root = ctl.root_prefix(
+            dist.TCPStore("127.0.0.1", server.port, is_master=False), "job", SECRET
+        )
+        reporter, watcher = ctl.ControlPlane(root, 0), ctl.ControlPlane(root.clone(), 0)
+        reporter.init_counters()
+        assert watcher.poll([])[0] == 0
+        root.set("g0/ev/n", "garbage")  # also what a buggy or stale client could do
+        root.set("g0/claim/2", "garbage")
+        seen = {watcher.poll([])[0] for _ in range(3)}
+        assert len(seen) == 3  # a new count at every poll: the log is read every time
+        assert watcher.read_events() == []
+        assert reporter.claim(2)  # no ControlPlaneError: the store answers
+        reporter.post_event(_event(2))
+        assert watcher.poll([])[0] not in seen
+        assert [e["rank"] for e in watcher.read_events()] == [2]
+        assert ctl.rejected_records().get("ev/n", 0) >= 3
+    finally:
+        del server
+
+
+def test_a_64_mib_junk_log_is_parsed_in_bounded_pieces() -> None:
+    """Junk appended past the per-record cap: each read parses at most MAX_LOG_PARSE new
+    bytes, polls say when more is waiting, and a real event behind it is found."""
+    base = dist.HashStore()
+    root = ctl.root_prefix(base, "job", SECRET)
+    cp = ctl.ControlPlane(root, 0)
+    cp.init_counters()
+    junk = ("junk " * 19 + "\n").encode() * ((64 << 20) // 96)
+    base.append(f"{root.prefix}/g0/ev/log", junk)
+    ctl.ControlPlane(root, 0).post_event(_event(2))
+    reads, slowest, events = 0, 0.0, []
+    while True:
+        n = cp.poll([])[0]
+        t0 = time.monotonic()
+        events = cp.read_events()
+        slowest = max(slowest, time.monotonic() - t0)
+        reads += 1
+        if events and cp.poll([])[0] == n:
+            break
+        assert reads < 200
+    assert [e["rank"] for e in events] == [2]
+    assert reads >= len(junk) // ctl.MAX_LOG_PARSE
+    assert slowest < 1.0, slowest  # one piece, not the whole log
+
+
+# -- 5. preflight --------------------------------------------------------------------------------
+def _env(rank: int = 1, key: bytes | None = None) -> preflight.Environment:
+    return preflight.Environment("127.0.0.1", 1, rank, 2, rank, 2, 0, True, key=key)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_forged_preflight_records_fail_start_up_with_a_typed_message(
+    monkeypatch: pytest.MonkeyPatch, secret: str | None
+) -> None:
+    monkeypatch.delenv(ctl.SECRET_FILE_ENV, raising=False)
+    if secret is None:
+        monkeypatch.delenv(ctl.SECRET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ctl.SECRET_ENV, secret)
+    env = _env(key=preflight._record_key())
+    store = dist.HashStore()
+    # Garbage facts, a garbage counter, a garbage verdict: typed, never a JSONDecodeError
+    # nor "the store stopped answering".
+    store.set("rd/preflight/0/0", "{not json")
+    with pytest.raises(PreflightError, match="not written by this job"):
+        preflight._read_facts(store, env, ["rd/preflight/0/0"], [0])
+    store.set("rd/preflight/0/n", "garbage")
+    with pytest.raises(PreflightError, match="not written by this job"):
+        preflight._add(store, env, "rd/preflight/0/n", 1)
+    with pytest.raises(PreflightError, match="not written by this job"):
+        preflight._unpack(env, b"\x00garbage")
+    forged = zlib.compress(json.dumps({"rank": 0, "problems": ["ATTACKER TEXT"]}).encode())
+    if secret is None:
+        # Without a secret a well-formed verdict cannot be told apart: it fails start-up.
+        assert preflight._unpack(env, forged)["problems"] == ["ATTACKER TEXT"]
+        return
+    # With one, the attacker's text never reaches the error.
+    with pytest.raises(PreflightError, match="not written by this job") as e:
+        preflight._unpack(env, forged)
+    assert "ATTACKER TEXT" not in str(e.value)
+    # The job's own records, sealed, read back.
+    name = "rd/preflight/0/verdict"
+    mine = preflight._seal_bytes(env.key, name, forged)
+    assert preflight._unpack(env, mine)["problems"] == ["ATTACKER TEXT"]
+    store.set("rd/preflight/0/1", ctl.seal(env.key, "rd/preflight/0/1", {"host": "h"}))
+    assert preflight._read_facts(store, env, ["x", "rd/preflight/0/1"], [1]) == {1: {"host": "h"}}
+    assert os.environ[ctl.SECRET_ENV] not in mine.decode(errors="replace")
