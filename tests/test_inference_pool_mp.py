@@ -99,8 +99,9 @@ def test_a_failed_ranks_work_is_redone_and_every_result_arrives_once(
     [
         ("poison", ("ValueError", f"item {w.POISON} is poison")),
         ("poison_load", ("OSError", f"sample {w.POISON} is corrupt")),
+        ("poison_load_workers", ("OSError", f"sample {w.POISON} is corrupt")),
     ],
-    ids=["fn", "dataset"],
+    ids=["fn", "dataset", "dataset-in-loader-workers"],
 )
 def test_a_poison_item_is_reported_not_retried_forever(kind: str, error: tuple[str, str]) -> None:
     outcomes = _run(w.pool_fault, 3, kind, -1, 0)

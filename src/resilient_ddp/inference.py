@@ -178,7 +178,7 @@ def distributed_inference(
             heaviest first, so that the pulled schedule ends balanced.
         cost_fn: ``cost_fn(index)`` instead of ``costs``.
         collate_fn: As DataLoader's (default: ``default_collate``).
-        num_workers: DataLoader worker processes per rank (started per chunk).
+        num_workers: DataLoader worker processes per rank (kept from chunk to chunk).
         progress: ``True`` shows a progress bar of all ranks' items on rank 0 (stderr),
             with throughput (items/s over all ranks) and ETA; a callable is called on rank
             0 with ``(items_done, items_total)`` about twice a second instead, from a
@@ -396,6 +396,8 @@ class _Pool:
         self.done = 0
         self.batches = 0
         self.item_failures = 0
+        self._chunk_batches = _ChunkBatches()
+        self._dl: DataLoader[Any] | None = None
         self.poison: tuple[wp.InferenceItemFailure, ...] = ()
 
     # -- the plan ----------------------------------------------------------------------------
@@ -523,6 +525,7 @@ class _Pool:
                 collector.stop.set()
                 collector.join()
             rt.progress = None
+            self._dl = None  # its workers end with it
         # Left as they were on an error: the failure report says where this rank was.
         rt.step, rt.phase = step, phase
 
@@ -579,16 +582,22 @@ class _Pool:
         return [list(items[i : i + self.batch_size]) for i in range(0, len(items), self.batch_size)]
 
     def _loader(self, groups: list[list[int]]) -> Iterator[Any] | None:
-        """Batches from worker processes (``num_workers``), or None: loaded in this one."""
+        """Batches from worker processes (``num_workers``), or None: loaded in this one.
+
+        One DataLoader per call, its workers kept between chunks (``persistent_workers``):
+        each chunk only sets the batches its sampler yields next."""
         if self.num_workers == 0:
             return None
-        loader: DataLoader[Any] = DataLoader(
-            self.dataset,
-            batch_sampler=groups,
-            collate_fn=self.collate,
-            num_workers=self.num_workers,
-        )
-        return iter(loader)
+        if self._dl is None:
+            self._dl = DataLoader(
+                self.dataset,
+                batch_sampler=self._chunk_batches,
+                collate_fn=self.collate,
+                num_workers=self.num_workers,
+                persistent_workers=True,
+            )
+        self._chunk_batches.groups = groups
+        return iter(self._dl)
 
     def _call(self, batch: Any, n: int) -> list[Any]:
         return _split(to_cpu(self.fn(batch)), n)
@@ -644,7 +653,8 @@ class _Pool:
                 # Loading is inside: a sample that cannot be read is an item that raised.
                 if loader is not None:
                     try:
-                        batch = next(loader)
+                        with _LoaderProgress():
+                            batch = next(loader)
                     except BaseException:
                         loader = None  # the rest of the chunk is loaded here
                         raise
@@ -681,6 +691,62 @@ class _Pool:
             compute,
             name,
         )
+
+
+class _LoaderProgress:
+    """While the main thread waits for a batch from DataLoader workers, count their CPU
+    time as this rank's progress (``rd.progress()``): a rank whose workers decode a slow
+    batch is busy, not hung (its own thread sits in a queue read). Workers that use no CPU
+    (deadlocked) add nothing: the rank is still judged hung."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="resilient_ddp-loader-progress", daemon=True
+        )
+
+    def __enter__(self) -> None:
+        self._thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = _children_cpu()
+        while not self._stop.wait(0.2):
+            now = _children_cpu()
+            if now > last:
+                _mark_progress()
+            last = now
+
+
+def _children_cpu() -> int:
+    """CPU ticks (user + system) of this process's live multiprocessing children."""
+    import multiprocessing
+
+    total = 0
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+class _ChunkBatches:
+    """The batch sampler of a call's DataLoader: the batches of the current chunk."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(list(self.groups))
+
+    def __len__(self) -> int:
+        return len(self.groups)
 
 
 def _ranks_of(ev: dict[str, Any]) -> list[int]:
@@ -721,6 +787,7 @@ class _Collector(threading.Thread):
         self.error: BaseException | None = None
         self.given_up: dict[int, str] = {}
         self.seen: dict[int, tuple[Any, float]] = {}
+        self.held: dict[int, tuple[int, float]] = {}  # rank -> (ticket, since)
         self.n_pub = 0
         self.streaming = pool.output_dir is None
         self.callback: Callable[[int, int], None] | None = None
@@ -923,22 +990,37 @@ class _Collector(threading.Thread):
         now = time.monotonic()
         window = rt.config.base_stuck_window
         changed = False
+        busy = rt.config.busy_timeout.total_seconds()
         for r in holders:
             s = states.get(r, {})
+            held = self.held.get(r)
+            if held is None or held[0] != leases[r]:
+                held = self.held[r] = (leases[r], now)
             key = (leases[r], json.dumps(s.get("progress")))
             prev = self.seen.get(r)
             if prev is None or prev[0] != key:
-                self.seen[r] = (key, now)
-                continue
-            if s.get("status") != "running" or float(s.get("idle", 0.0)) < window:
-                continue
-            if now - prev[1] < window:
-                continue
-            what = (
-                f"hung in distributed_inference: holds ticket {leases[r]} and its progress "
-                f"signals did not move for {float(s.get('idle', 0.0)):.1f} s "
-                f"(at {s.get('where', '?')})"
+                prev = self.seen[r] = (key, now)
+            stuck = (
+                s.get("status") == "running"
+                and float(s.get("idle", 0.0)) >= window
+                and now - prev[1] >= window
             )
+            overdue = now - held[1] >= busy  # busy all along: a livelock
+            if not stuck and not overdue:
+                continue
+            if stuck:
+                what = (
+                    f"hung in distributed_inference: holds ticket {leases[r]} and its "
+                    f"progress signals did not move for {float(s.get('idle', 0.0)):.1f} s "
+                    f"(at {s.get('where', '?')})"
+                )
+                why = f"hung (no progress for {window:.1f} s)"
+            else:
+                what = (
+                    f"held ticket {leases[r]} of distributed_inference for {now - held[1]:.0f} "
+                    f"s, past busy_timeout, its signals still moving (at {s.get('where', '?')})"
+                )
+                why = f"was busy on one chunk past busy_timeout ({busy:.0f} s)"
             if self.control.claim(r):
                 culprit = ctl.culprit_from(
                     r, what=what, info=rt.infos.get(r), state=s, stack=s.get("stack", "")
@@ -955,7 +1037,7 @@ class _Collector(threading.Thread):
                         }
                     ]
                 )
-            changed |= self._give_up(r, f"hung (no progress for {window:.1f} s)")
+            changed |= self._give_up(r, why)
         return changed
 
     def _flush(self) -> None:
