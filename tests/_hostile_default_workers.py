@@ -279,15 +279,18 @@ def plant_preflight(out_dir: str, port: str) -> None:
 
 
 # -- with a secret (rd.spawn) -----------------------------------------------------------------
-def attack_secret(out_dir: str, port: str, prefix: str) -> None:
-    """Items 4 and 6 against the job of :func:`secret_job`, in the job's namespace
-    ``prefix`` (known to this attacker; the secret is not)."""
+def attack_secret(out_dir: str, port: str, prefix: str, mode: str) -> None:
+    """Against the job of :func:`secret_job`, in the job's namespace ``prefix`` (known to
+    this attacker; the secret is not): garbage over the heartbeats during start-up, then
+    with ``mode`` "counter" garbage in the event counter (item 6; rank 2 is killed
+    then), with "replay" 64 MiB of junk in the event log (item 6; rank 2 is killed then)
+    and, after the admission of its replacement, the old ``members`` and ``gen`` records
+    written back (item 4)."""
     out = Path(out_dir)
-    report: dict[str, Any] = {"pid": os.getpid()}
+    report: dict[str, Any] = {"pid": os.getpid(), "mode": mode}
     try:
         store = _connect(int(port))
         root = dist.PrefixStore(prefix, store)
-        root.set("g0/ev/n", GARBAGE)  # before start-up
         _touch(out / "gate")
         writes = 0
         end = time.monotonic() + WAIT_S
@@ -297,7 +300,10 @@ def attack_secret(out_dir: str, port: str, prefix: str) -> None:
             writes += 1
             time.sleep(0.02)
         report["heartbeat_garbage_writes"] = writes
-        root.set("g0/ev/n", GARBAGE)  # and once the job runs
+        if mode == "counter":
+            root.set("g0/ev/n", GARBAGE)
+            report["counter_garbage"] = True
+            return
         _junk(root, "g0/ev/log")
         report["junk_mib"] = JUNK_MIB
         _touch(out / "armed")  # rank 2 is killed now
@@ -311,7 +317,9 @@ def attack_secret(out_dir: str, port: str, prefix: str) -> None:
                 raise TimeoutError("no admission followed the shrink")
             time.sleep(0.02)
         report["members_after_admission"] = root.get("members").decode(errors="replace")
-        # Item 4: the old records written back.
+        # Item 4: the old records written back, once the job trained a while with the
+        # joiner (the launcher read the new record meanwhile).
+        _wait_file(out / "replay_now")
         root.set("members", old_members)
         if old_gen is not None:
             root.set("gen", old_gen)
@@ -380,13 +388,19 @@ def _hash(model: Any, opt: torch.optim.Optimizer) -> str:
 
 STARTED_STEP = 10  # steps trained before the junk: the step time to compare with
 KILL_AFTER = 10  # steps rank 2 trains after the attacker armed the job, then SIGKILL
-SECRET_TAIL = 30  # steps after the replay
+REPLAY_AFTER = 20  # steps trained with the joiner before the replay (the launcher sees it)
+SECRET_TAIL = 10  # steps after the replay
+# rd.spawn's launcher kills a process the member record no longer lists after 1 s; held
+# longer after the replay (one step then shows whether the joiner is gone).
+EVICT_HOLD_S = 2.0
+COUNTER_TAIL = 5  # steps after the shrink
 SECRET_MAX_STEPS = 3000
 
 
-def secret_job(rank: int, out_dir: str) -> dict[str, Any]:
-    """A rank of a job under ``rd.spawn`` (secret set, ``restarts=1``) beside
-    :func:`attack_secret` (see :func:`_secret_loop`)."""
+def secret_job(rank: int, out_dir: str, mode: str) -> dict[str, Any]:
+    """A rank of a job under ``rd.spawn`` (secret set; ``restarts=1`` for ``mode``
+    "replay") beside :func:`attack_secret` (see :func:`_secret_loop`). A survivor that
+    raises ``RankFailureError`` returns the ranks it names."""
     from resilient_ddp import _control as ctl
 
     torch.set_num_threads(1)
@@ -398,13 +412,18 @@ def secret_job(rank: int, out_dir: str) -> dict[str, Any]:
         job, secret = os.environ[ctl.JOB_ENV], os.environ[ctl.SECRET_ENV]
         jr = ctl.root_prefix(dist.HashStore(), job, secret)
         prefix = getattr(jr, "prefix", f"rd/{job}")
-        proc = _start_attacker("attack_secret", out_dir, os.environ["MASTER_PORT"], prefix)
+        port = os.environ["MASTER_PORT"]
+        proc = _start_attacker("attack_secret", out_dir, port, prefix, mode)
     try:
         if not joiner:
             _wait_file(out / "gate")
         rd.init_process_group("gloo", config=_cfg())
         model, opt = _model()
-        result = _secret_loop(out, int(os.environ.get("RESILIENT_DDP_UID", rank)), model, opt)
+        uid = int(os.environ.get("RESILIENT_DDP_UID", rank))
+        try:
+            result = _secret_loop(out, uid, model, opt, mode)
+        except rd.RankFailureError as e:
+            result = {"uid": uid, "raised": type(e).__name__, "ranks": list(e.ranks)}
         rd.destroy_process_group()
     except BaseException:
         if proc is not None:  # the job failed: the attacker would wait for it in vain
@@ -417,19 +436,23 @@ def secret_job(rank: int, out_dir: str) -> dict[str, Any]:
     return result
 
 
-def _secret_loop(out: Path, uid: int, model: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _secret_loop(
+    out: Path, uid: int, model: Any, opt: torch.optim.Optimizer, mode: str
+) -> dict[str, Any]:
     """Train from the job's current step. The first :data:`STARTED_STEP` steps run with
     the attacker's garbage over the heartbeats, before its junk (their step time is the
     baseline). The process of member id 2 is SIGKILLed :data:`KILL_AFTER` steps after the
-    attacks of item 6 landed (``OUT/armed``); its replacement joins; once a member sees
-    that admission in the world-size history (which travels with the state) it waits for
-    the attacker's replay of item 4 (``OUT/replayed``); every member trains until
-    :data:`SECRET_TAIL` steps after the admission's step."""
+    attacks of item 6 landed (``OUT/armed``). With ``mode`` "counter" the survivors train
+    :data:`COUNTER_TAIL` steps after the shrink. With "replay" its replacement joins;
+    once a member sees that admission in the world-size history (which travels with the
+    state) trains :data:`REPLAY_AFTER` steps with it, then waits for the attacker's replay
+    of item 4 (:func:`_await_replay`) and trains :data:`SECRET_TAIL` steps more."""
     from resilient_ddp.testing import kill_self
 
     step = int(model.resilience_stats["step"])
     armed_at: int | None = None
     end_step: int | None = None
+    replay_step: int | None = None
     times: list[tuple[bool, float]] = []
     while end_step is None or step < end_step:
         if step >= SECRET_MAX_STEPS:
@@ -441,14 +464,13 @@ def _secret_loop(out: Path, uid: int, model: Any, opt: torch.optim.Optimizer) ->
         if uid == 2 and armed_at is not None and step >= armed_at + KILL_AFTER:
             kill_self()
         history = model.resilience_stats["world_size_history"]
-        if end_step is None and len(history) >= 3:  # initial size, the shrink, the admission
-            end = time.monotonic() + WAIT_S
-            while not (out / "replayed").exists():
-                if time.monotonic() > end:
-                    raise TimeoutError("the attacker did not replay")
-                rd.progress()
-                time.sleep(0.02)
-            end_step = int(history[2][0]) + SECRET_TAIL  # the same on every member
+        if end_step is None and mode == "counter" and len(history) >= 2:  # the shrink
+            end_step = int(history[1][0]) + COUNTER_TAIL
+        if end_step is None and mode == "replay" and len(history) >= 3:  # the admission
+            replay_step = int(history[2][0]) + REPLAY_AFTER  # the same on every member
+            end_step = replay_step + SECRET_TAIL
+        if step == replay_step:
+            _await_replay(out, uid)
         t0 = time.perf_counter()
         x, y = _batch(step, uid)
         nn.functional.mse_loss(model(x), y).backward()
@@ -469,6 +491,20 @@ def _secret_loop(out: Path, uid: int, model: Any, opt: torch.optim.Optimizer) ->
         "step_s_before": _median([t for armed, t in times[1:] if not armed]),
         "step_s_after": _median([t for armed, t in times if armed]),
     }
+
+
+def _await_replay(out: Path, uid: int) -> None:
+    """Ask the attacker for its replay (``OUT/replay_now``), wait for it, then keep the
+    job running (busy, so that no peer is judged stuck) for :data:`EVICT_HOLD_S`: the
+    launcher acts on a member record within its eviction grace, so the joiner would be
+    killed by now if the launcher believed the old record."""
+    if uid == 0:
+        _touch(out / "replay_now")
+    _wait_file(out / "replayed")
+    end = time.monotonic() + EVICT_HOLD_S
+    while time.monotonic() < end:
+        rd.progress()
+        time.sleep(0.02)
 
 
 def _median(values: list[float]) -> float | None:

@@ -18,12 +18,14 @@ Deployments:
   (item 5, no secret): start-up fails on every rank with our ``PreflightError``, nothing
   else (the issue's bar without a secret: no more than a clear, typed failure).
 - ``rd.spawn`` (a secret): items 4-6 against an attacker that sees the job's keys and
-  values, not the secret. Planted preflight records do not stop start-up; garbage in the
-  event counter, over the heartbeats during start-up and 64 MiB of junk in the event log,
-  then a real SIGKILL of rank 2: the survivors name rank 2 (and only it), its replacement
-  joins; the old ``members`` and ``gen`` records written back after that admission change
-  nothing (the launcher kills no healthy joiner), and every process ends with the same
-  state.
+  values (as one who reads the store's traffic), not the secret. Planted preflight
+  records do not stop start-up. Garbage over the heartbeats during start-up, then in the
+  event counter, then a real SIGKILL of rank 2: the survivors name rank 2 and only it
+  (shrinking, or raising RankFailureError). Garbage over the heartbeats, 64 MiB of junk
+  in the event log, SIGKILL of rank 2: it is named alone and the recovery is as fast as
+  the elastic tests' bound without an attacker; its replacement joins; the old
+  ``members`` and ``gen`` records written back after that admission change nothing (the
+  launcher kills no healthy joiner); every process ends with the same state.
 
 Every job has a hard deadline below pytest-timeout, shows each rank's output on failure and
 leaves no process behind (tests/_procs.py kills whatever names the test's folder).
@@ -317,20 +319,15 @@ def test_with_a_secret_planted_preflight_records_are_ignored(tmp_path: Path) -> 
     assert len({o.value["hash"] for o in outcomes}) == 1, report
 
 
-def test_with_a_secret_garbage_a_kill_and_a_replay_name_the_culprit_only(
-    tmp_path: Path,
-) -> None:
-    """Items 4 and 6 with a secret (rd.spawn, restarts=1): garbage in the event counter,
-    over the heartbeats during start-up, 64 MiB of junk in the event log; SIGKILL of rank
-    2; its replacement joins; the old members and gen records written back."""
+def _secret_job(tmp_path: Path, mode: str, restarts: int) -> tuple[list[Any], str]:
     try:
         outcomes = run_ranks(
             h.secret_job,
             WORLD,
-            (str(tmp_path),),
+            (str(tmp_path), mode),
             timeout=timedelta(seconds=DEADLINE_S),
             grace=timedelta(seconds=10),
-            restarts=1,
+            restarts=restarts,
         )
     finally:
         kill_named(tmp_path)  # the attacker, should a rank have died before ending it
@@ -338,9 +335,42 @@ def test_with_a_secret_garbage_a_kill_and_a_replay_name_the_culprit_only(
     attacker = _read(tmp_path / "attacker.json")
     assert attacker is not None, report
     assert "error" not in attacker, report
-    assert attacker["replayed"]["job_running"], report
+    assert attacker["heartbeat_garbage_writes"] >= 1, report
     assert (tmp_path / "attacker_exit").read_text() == "0", report
-    # No rank raised; the one killed is rank 2's first process, and only it.
+    return outcomes, report
+
+
+def test_with_a_secret_garbage_in_the_event_counter_then_a_kill_names_the_culprit(
+    tmp_path: Path,
+) -> None:
+    """Item 6 with a secret (rd.spawn): garbage over the heartbeats during start-up, then
+    in the event counter ``g0/ev/n``, then SIGKILL of rank 2. The survivors name rank 2
+    and only it: they go on without it (a shrink naming rank 2), or raise
+    RankFailureError naming it; never an error that blames the store or another rank."""
+    outcomes, report = _secret_job(tmp_path, "counter", restarts=0)
+    assert outcomes[2].exitcode == -9, report
+    for o in outcomes[:2]:
+        assert o.ok, report  # RankFailureError is caught and returned; any other error fails
+        if "raised" in o.value:
+            assert o.value["ranks"] == [2], report
+        else:
+            shrinks = [e for e in o.value["events"] if e["kind"] == "shrink"]
+            assert len(shrinks) == 1, report
+            assert [c["rank"] for c in shrinks[0]["culprits"]] == [2], report
+            assert o.value["world_size"] == WORLD - 1, report
+
+
+def test_with_a_secret_junk_a_kill_and_a_replay_change_nothing(tmp_path: Path) -> None:
+    """Items 4 and 6 with a secret (rd.spawn, restarts=1): garbage over the heartbeats
+    during start-up, 64 MiB of junk in the event log, SIGKILL of rank 2; its replacement
+    joins; the old members and gen records are written back after that admission."""
+    outcomes, report = _secret_job(tmp_path, "replay", restarts=1)
+    attacker = _read(tmp_path / "attacker.json")
+    assert attacker is not None, report
+    assert attacker["junk_mib"] == h.JUNK_MIB, report
+    assert attacker["replayed"]["job_running"], report
+    # No rank raised; the one killed is rank 2's first process, and only it (the launcher
+    # did not act on the old members record).
     assert all(o.ok for o in outcomes), report
     previous = [(o.rank, p.exitcode) for o in outcomes for p in o.previous]
     assert previous == [(2, -9)], f"{previous}\n{report}"
