@@ -279,10 +279,19 @@ def test_env_launch_with_rank0_hosting_the_store_survives_a_killed_rank(tmp_path
         return
 
 
-def test_rank0_the_collector_killed_is_named_by_the_survivors(tmp_path: Path) -> None:
-    outcomes = _run(w.pool_fault, 3, "kill", 0, w.N // 2, str(tmp_path / "fired"))
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_rank0_the_collector_failing_is_named_by_the_survivors(kind: str, tmp_path: Path) -> None:
+    outcomes = _run(w.pool_fault, 3, kind, 0, w.N // 2, str(tmp_path / "fired"))
     report = format_outcomes(outcomes)
-    assert outcomes[0].exitcode == -9, report
+    if kind == "kill":
+        assert outcomes[0].exitcode == -9, report
+    else:
+        # Hung in fn: its own collector judged it, and its main thread raised.
+        v0 = outcomes[0].value
+        assert isinstance(v0, dict), report
+        assert v0["type"] == "RankFailureError", report
+        assert v0["ranks"] == [0], v0["message"]
+        assert "hung in distributed_inference" in v0["message"]
     for r in (1, 2):
         v = outcomes[r].value
         assert isinstance(v, dict), report

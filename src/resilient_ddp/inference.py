@@ -48,7 +48,7 @@ from ._progress import progress as _mark_progress
 from ._runtime import Runtime
 from ._wire import to_cpu
 from .collectives import Duration, Op
-from .errors import ConfigError, ItemFailureError, ResilientDDPError
+from .errors import ConfigError, ItemFailureError, RankFailureError, ResilientDDPError
 from .gather import gather_to_rank0
 from .process_group import ensure_runtime
 from .sampler import BalancedDistributedSampler
@@ -396,6 +396,7 @@ class _Pool:
         self.done = 0
         self.batches = 0
         self.item_failures = 0
+        self.in_chunk = False  # the main thread runs a chunk (read by rank 0's collector)
         self._chunk_batches = _ChunkBatches()
         self._dl: DataLoader[Any] | None = None
         self.poison: tuple[wp.InferenceItemFailure, ...] = ()
@@ -637,9 +638,16 @@ class _Pool:
                 results.extend(one)
 
     def _run_entry(self, ticket: int, entry: wp.Entry) -> wp.Delivery:
-        rt = self.rt
         if self.rank in entry.exclude:
             return wp.Delivery(ticket, self.rank, (), None, declined=True)
+        self.in_chunk = True
+        try:
+            return self._run_chunk(ticket, entry)
+        finally:
+            self.in_chunk = False
+
+    def _run_chunk(self, ticket: int, entry: wp.Entry) -> wp.Delivery:
+        rt = self.rt
         t0 = time.monotonic()
         indices: list[int] = []
         results: list[Any] = []
@@ -978,7 +986,9 @@ class _Collector(threading.Thread):
         holders = [
             r
             for r in sorted(self.live())
-            if r != rt.rank
+            # Rank 0 itself only while its main thread runs a chunk (not while the caller
+            # of iter_inference holds it between results).
+            if (r != rt.rank or self.pool.in_chunk)
             and r in leases
             and leases[r] < led.published
             and leases[r] not in led.delivered
@@ -1037,6 +1047,21 @@ class _Collector(threading.Thread):
                         }
                     ]
                 )
+            if r == rt.rank:
+                # The collector's own rank: nobody can finish the call without it. Its main
+                # thread raises (the others raise naming it when they read the event).
+                err = RankFailureError(
+                    f"rank {r} (host {rt.identity['host']}): {what}; distributed_inference "
+                    "cannot finish without rank 0, which collects the results. Raised "
+                    "here, in the main thread.",
+                    culprits=[ctl.to_culprit(ctl.culprit_from(r, what=what, state=s))],
+                    op="distributed_inference",
+                    generation=rt.generation,
+                )
+                self.error = err  # raised by the main thread when it returns, if not told
+                rt.tell_main(err)
+                self.stop.set()
+                continue
             changed |= self._give_up(r, why)
         return changed
 
