@@ -242,19 +242,24 @@ def resume_job(rank: int, output_dir: str, stop_after: int | None) -> Any:
         rd.destroy_process_group()
 
 
-def stream(rank: int, n: int) -> Any:
-    """iter_inference: rank 0 gets (index, result) in order; the others nothing."""
+def stream(rank: int, n: int, stop_after: int | None = None) -> Any:
+    """iter_inference: rank 0 gets (index, result) in order; the others nothing. With
+    ``stop_after``, rank 0 stops reading after that many results (a break)."""
     _init(FAST)
     try:
-        got = list(
-            rd.iter_inference(
-                make_fn(rank, "none", -1, 0, threading.Lock()),
-                Numbers(n),
-                batch_size=BATCH,
-                chunk_size=CHUNK,
-                progress=False,
-            )
-        )
+        got = []
+        for i, r in rd.iter_inference(
+            make_fn(rank, "none", -1, 0, threading.Lock()),
+            Numbers(n),
+            batch_size=BATCH,
+            chunk_size=CHUNK,
+            progress=False,
+        ):
+            got.append((i, r))
+            if stop_after is not None and len(got) == stop_after:
+                break
+        if stop_after is not None:
+            return {"count": len(got), "first": [i for i, _ in got]}
         if rank != 0:
             return {"count": len(got)}
         return {

@@ -139,6 +139,14 @@ def test_iter_inference_streams_in_dataset_order_on_rank0_only() -> None:
     assert outcomes[1].value == outcomes[2].value == {"count": 0}
 
 
+def test_rank0_breaking_out_of_iter_inference_ends_the_call_everywhere() -> None:
+    outcomes = _run(w.stream, 3, w.N, 10)
+    report = format_outcomes(outcomes)
+    assert all(o.exitcode == 0 for o in outcomes), report
+    assert outcomes[0].value == {"count": 10, "first": list(range(10))}, report
+    assert outcomes[1].value == outcomes[2].value == {"count": 0, "first": []}
+
+
 def test_a_job_killed_whole_resumes_on_its_output_dir_with_another_world_size(
     tmp_path: Path,
 ) -> None:

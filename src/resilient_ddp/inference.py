@@ -521,10 +521,18 @@ class _Pool:
                     sorted(collector.ledger.failures.values(), key=lambda f: f.index)
                 )
                 collector.summarise()
+        except GeneratorExit:
+            # Rank 0's caller stopped reading (a break out of iter_inference): end the
+            # call for everyone, or the others would wait for more work for good.
+            if collector is not None:
+                collector.stop.set()
+                with contextlib.suppress(ResilientDDPError):
+                    store.add(keys.redo_n, wp.END)
+            raise
         finally:
             if collector is not None:
                 collector.stop.set()
-                collector.join()
+                collector.join(timeout=rt.store_timeout_s + 1.0)
             rt.progress = None
             self._dl = None  # its workers end with it
         # Left as they were on an error: the failure report says where this rank was.
