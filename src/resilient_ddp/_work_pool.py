@@ -9,6 +9,9 @@ one ``dist.Store``-like object (``add``, ``set``, ``get``, ``check``, ``multi_se
 Keys of inference call ``c``, under the current generation's prefix (``rd/<job>/g<N>/``):
 
 =====================  ==================================================================
+``inf/<c>/plan``       rank 0's plan id and the plan chunks left to run (JSON; the chunks
+                       already written in ``output_dir`` are not): ticket ``t`` below
+                       their number is the ``t``-th of them
 ``inf/<c>/next``       tickets drawn (a counter): ticket ``t < chunks`` is chunk ``t``;
                        ticket ``chunks + k`` is redo entry ``k``
 ``inf/<c>/redo/n``     redo entries published by rank 0 (a counter); ``END`` added once
