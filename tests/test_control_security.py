@@ -266,8 +266,11 @@ def test_forged_preflight_records_fail_start_up_with_a_typed_message(
     # Garbage facts, a garbage counter, a garbage verdict: typed, never a JSONDecodeError
     # nor "the store stopped answering".
     store.set("rd/preflight/0/0", "{not json")
-    with pytest.raises(PreflightError, match="not written by this job"):
-        preflight._read_facts(store, env, ["rd/preflight/0/0"], [0])
+    if secret is None:
+        with pytest.raises(PreflightError, match="not written by this job"):
+            preflight._read_facts(store, env, ["rd/preflight/0/0"], [0])
+    else:  # not arrived, as far as the checker can tell
+        assert preflight._read_facts(store, env, ["rd/preflight/0/0"], [0]) == {}
     store.set("rd/preflight/0/n", "garbage")
     with pytest.raises(PreflightError, match="not written by this job"):
         preflight._add(store, env, "rd/preflight/0/n", 1)
@@ -289,3 +292,41 @@ def test_forged_preflight_records_fail_start_up_with_a_typed_message(
     store.set("rd/preflight/0/1", ctl.seal(env.key, "rd/preflight/0/1", {"host": "h"}))
     assert preflight._read_facts(store, env, ["x", "rd/preflight/0/1"], [1]) == {1: {"host": "h"}}
     assert os.environ[ctl.SECRET_ENV] not in mine.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    "verdict",
+    [
+        {"rank": 0, "problems": ["x"], "table": "ATTACKER TEXT"},
+        {"rank": 0, "problems": ["x"], "table": {"a": 1}},
+        {"rank": 0, "problems": ["x"], "message": 3},
+        {"rank": "0", "problems": []},
+        [1, 2],
+    ],
+)
+def test_a_malformed_verdict_is_a_typed_error(
+    monkeypatch: pytest.MonkeyPatch, verdict: object
+) -> None:
+    monkeypatch.delenv(ctl.SECRET_ENV, raising=False)
+    with pytest.raises(PreflightError, match="not written by this job"):
+        preflight._unpack(_env(), zlib.compress(json.dumps(verdict).encode()))
+
+
+def test_with_a_secret_a_planted_verdict_and_facts_are_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The checker's verdict goes to the next slot; the planted facts count as not
+    arrived until the rank's own record replaces them."""
+    monkeypatch.setenv(ctl.SECRET_ENV, SECRET)
+    store = dist.HashStore()
+    planted = zlib.compress(json.dumps({"rank": 1, "problems": ["ATTACKER TEXT"]}).encode())
+    store.set("rd/preflight/0/verdict", planted)
+    store.set("rd/preflight/0/1", "{not json")
+    checker, other = _env(0, preflight._record_key()), _env(1, preflight._record_key())
+    keys = ["rd/preflight/0/0", "rd/preflight/0/1"]
+    assert preflight._read_facts(store, checker, keys, [1]) == {}
+    assert preflight._read_verdict(store, other) is None  # the planted one is skipped
+    _, mine = preflight._propose(store, checker, {"rank": 0, "problems": []})
+    assert mine
+    assert store.check(["rd/preflight/0/verdict/1"])
+    assert preflight._read_verdict(store, other) == {"rank": 0, "problems": []}

@@ -215,11 +215,13 @@ def test_the_checker_polls_a_counter_and_reads_the_facts_once_everyone_arrived()
         deadline = time.monotonic() + 20
         table = pool.submit(preflight._exchange, store, _env(0, 3), {"host": "h0"}, deadline)  # type: ignore[arg-type]
         time.sleep(0.3)
-        # Rank 0's poll: the count (add) and the verdict (one key); no rank's key.
+        # Rank 0's poll: the count (compare_set, which never breaks the connection on a
+        # value that is not a number, as add would) and the verdict (one key); no rank's.
         assert store.count("check", lambda keys: len(keys) > 1) == 0, store.calls
         polls = store.count("check")
         assert 2 <= polls <= 25, polls
-        assert store.count("add") == polls + 1  # + its own arrival
+        assert store.count("compare_set") == polls + 1  # + its own arrival
+        assert store.count("add") == 1  # its own arrival
         _arrive(base, 2)
         got = table.result(timeout=10)
     assert sorted(got) == [0, 1, 2]

@@ -1394,14 +1394,18 @@ def _count(raw: bytes, name: str = "counter") -> int:
     return 0 if n is None else n
 
 
-# Parsed at most per read of a log (see _LogReader).
+# Parsed at most per read of a log (see _LogReader), and the longest line of a log that
+# can be a record of the job (seal caps records at MAX_RECORD_BYTES, give or take).
 MAX_LOG_PARSE = 1 << 20
+MAX_LINE = 2 * MAX_RECORD_BYTES
 
 
 class _LogReader:
-    """A JSON-lines log of sealed records, read incrementally: each :meth:`read` parses
-    only the complete lines appended since the last one, at most :data:`MAX_LOG_PARSE`
-    bytes (``behind`` says more is waiting), and drops copies of earlier lines."""
+    """A JSON-lines log of sealed records, read incrementally: each :meth:`read` looks at
+    the complete lines appended since the last one; a line longer than any record the job
+    writes (:data:`MAX_LINE`) is skipped unparsed (counted); at most
+    :data:`MAX_LOG_PARSE` bytes of lines are parsed a call (``behind`` says more is
+    waiting); copies of earlier lines (replays) are dropped."""
 
     def __init__(self, key: bytes | None, name: str) -> None:
         self.key, self.name = key, name
@@ -1416,15 +1420,22 @@ class _LogReader:
         if len(raw) < self.offset or raw[self.offset - len(self.mark) : self.offset] != self.mark:
             # Not the log read before (deleted and written again): from the start.
             self.events, self.offset, self.mark, self.seen = [], 0, b"", set()
-        end = min(len(raw), self.offset + MAX_LOG_PARSE)
-        cut = raw.rfind(b"\n", self.offset, end)
-        if cut < 0 and end - self.offset >= MAX_LOG_PARSE:
-            cut = end - 1  # one line longer than the cap: no record of ours; skipped
-        if cut >= self.offset:
-            chunk = raw[self.offset : cut + 1]
-            self.events.extend(read_log(self.key, self.name, chunk, self.seen))
-            self.offset = cut + 1
-            self.mark = raw[max(0, self.offset - 64) : self.offset]
+        pos, parsed, lines = self.offset, 0, []
+        while parsed < MAX_LOG_PARSE:
+            nl = raw.find(b"\n", pos)
+            if nl < 0:
+                break
+            if nl - pos > MAX_LINE:
+                _note_rejected(self.name, "a line longer than any record of the job")
+            elif nl > pos:
+                lines.append(raw[pos:nl])
+                parsed += nl - pos
+            pos = nl + 1
+        if lines:
+            self.events.extend(read_log(self.key, self.name, b"\n".join(lines), self.seen))
+        if pos > self.offset:
+            self.offset = pos
+            self.mark = raw[max(0, pos - 64) : pos]
         self.behind = raw.find(b"\n", self.offset) >= 0
         return self.events
 

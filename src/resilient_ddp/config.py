@@ -286,6 +286,7 @@ class ResilienceConfig(_Model):
 # Variables under the prefix that belong to the launcher/runtime, not to the config.
 _IGNORED_ENV = frozenset(
     {"store", "joiner", "uid", "job_id", "secret", "fault", "allow_unsupported_torch"}
+    | {"secret_file"}  # the file that holds the job's secret (see _control.operator_secret)
 )
 
 

@@ -500,7 +500,6 @@ def _await_verdict(
     facts this rank read to ``table``. Blocks until ``deadline`` at most."""
     prefix = f"{_PREFIX}/{env.restart}"
     keys = [f"{prefix}/{r}" for r in range(env.world_size)]
-    verdict = f"{prefix}/verdict"
     checker = env.rank == _CHECKER
     # ``check`` and ``add(counter, 0)`` never block (a timed ``wait`` would log a warning on
     # every expiry): one request a poll (two on the checker), whatever the number of ranks.
@@ -512,10 +511,14 @@ def _await_verdict(
                 poll.reset()
                 seen = count
                 if count >= env.world_size and _call(env, store.check, keys):
-                    table.update(_read_facts(store, env, keys, range(env.world_size)))
-                    return _propose(store, env, _judge(env, table))
-        if _call(env, store.check, [verdict]):
-            return _unpack(env, _call(env, store.get, verdict)), False
+                    read = _read_facts(store, env, keys, range(env.world_size))
+                    table.update(read)
+                    if len(read) == env.world_size:
+                        return _propose(store, env, _judge(env, table))
+                    seen = -1  # a record not sealed by the job: read again at the next poll
+        found = _read_verdict(store, env)
+        if found is not None:
+            return found, False
         poll.sleep(deadline)
     return _give_up(store, env, table)
 
@@ -556,13 +559,21 @@ def _give_up(
 def _read_facts(
     store: dist.Store, env: Environment, keys: list[str], ranks: Iterable[int]
 ) -> dict[int, dict[str, str]]:
-    """The facts of ``ranks`` (whose keys exist), in one request."""
+    """The facts of ``ranks`` (whose keys exist), in one request. With a secret, a record
+    that is not sealed by the job is left out (that rank has not arrived, as far as this
+    rank can tell); without one it fails start-up.
+
+    Raises:
+        PreflightError: Without a secret, a record that is not the job's (not JSON facts).
+    """
     ranks = list(ranks)
     values = _call(env, store.multi_get, [keys[r] for r in ranks]) if ranks else []
     table = {}
     for r, v in zip(ranks, values, strict=True):
         facts = unseal_dict(env.key, keys[r], v)
         if facts is None or not all(isinstance(x, str) for x in facts.values()):
+            if env.key is not None:
+                continue
             raise _not_ours(env, keys[r], v)
         table[r] = facts
     return table
@@ -583,11 +594,63 @@ def _propose(
 ) -> tuple[dict[str, Any], bool]:
     """Publish ``verdict`` unless one is there already: the first one written wins. One
     request. Returns the winner and whether it is ``verdict``."""
-    packed = _seal_bytes(env.key, f"{_PREFIX}/{env.restart}/verdict", _pack(verdict))
-    winner = _call(env, store.compare_set, f"{_PREFIX}/{env.restart}/verdict", "", packed)
-    if bytes(winner) == packed:
-        return verdict, True
-    return _unpack(env, winner), False
+    body = _pack(verdict)
+    for slot in _verdict_slots(env):
+        packed = _seal_bytes(env.key, slot, body)
+        winner = bytes(_call(env, store.compare_set, slot, "", packed))
+        if winner == packed:
+            return verdict, True
+        if env.key is None:
+            return _unpack(env, winner), False
+        taken = _open_verdict(env, slot, winner)
+        if taken is not None:
+            return taken, False
+    raise _not_ours(env, _verdict_slots(env)[-1], b"")
+
+
+_SLOTS = 4  # with a secret, a verdict slot holding another process's record is skipped
+
+
+def _verdict_slots(env: Environment) -> list[str]:
+    """The keys a verdict may be in: with a secret, the first of these that does not hold
+    a record the job did not write; without one, the first."""
+    name = f"{_PREFIX}/{env.restart}/verdict"
+    if env.key is None:
+        return [name]
+    return [name] + [f"{name}/{i}" for i in range(1, _SLOTS)]
+
+
+def _read_verdict(store: dist.Store, env: Environment) -> dict[str, Any] | None:
+    """The verdict published, or None while there is none. One request a slot.
+
+    Raises:
+        PreflightError: A record that is not a verdict of the job (without a secret; with
+            one, in every slot).
+    """
+    for slot in _verdict_slots(env):
+        if not _call(env, store.check, [slot]):
+            return None
+        raw = bytes(_call(env, store.get, slot))
+        if env.key is None:
+            return _unpack(env, raw)
+        verdict = _open_verdict(env, slot, raw)
+        if verdict is not None:
+            return verdict
+    raise _not_ours(env, _verdict_slots(env)[-1], b"")
+
+
+def _open_verdict(env: Environment, slot: str, raw: bytes) -> dict[str, Any] | None:
+    """The verdict sealed in ``raw`` under ``slot``, or None if it is not the job's."""
+    try:
+        return _unpack(env, raw, slot)
+    except PreflightError:
+        log.warning(
+            "resilient_ddp: rank %d ignored a preflight verdict under %r not sealed with the "
+            "job's secret: another process writes to the rendezvous store",
+            env.rank,
+            slot,
+        )
+        return None
 
 
 def _conclude(
@@ -637,8 +700,10 @@ def _release(store: dist.Store, env: Environment, *, ok: bool) -> None:
             for r in range(env.world_size):
                 store.delete_key(f"{prefix}/{r}")
             if ok:
-                for name in ("verdict", "n", "done"):
+                for name in ("n", "done"):
                     store.delete_key(f"{prefix}/{name}")
+                for slot in _verdict_slots(env):
+                    store.delete_key(slot)
         if env.rank == _CHECKER and env.restart > 0:
             _forget_attempt(store, env, env.restart - 1)
     except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError included
@@ -659,6 +724,8 @@ def _forget_attempt(store: dist.Store, env: Environment, restart: int) -> None:
             store.delete_key(f"{prefix}/{r}")
     for name in ("verdict", "n", "done"):
         store.delete_key(f"{prefix}/{name}")
+    for i in range(1, _SLOTS):
+        store.delete_key(f"{prefix}/verdict/{i}")
 
 
 def _pack(verdict: dict[str, Any]) -> bytes:
@@ -667,13 +734,13 @@ def _pack(verdict: dict[str, Any]) -> bytes:
     return zlib.compress(json.dumps(verdict, separators=(",", ":")).encode())
 
 
-def _unpack(env: Environment, raw: bytes) -> dict[str, Any]:
-    """The verdict stored as ``raw``.
+def _unpack(env: Environment, raw: bytes, name: str | None = None) -> dict[str, Any]:
+    """The verdict stored as ``raw`` under ``name`` (default the first slot).
 
     Raises:
         PreflightError: It is not one (another process wrote the key).
     """
-    name = f"{_PREFIX}/{env.restart}/verdict"
+    name = f"{_PREFIX}/{env.restart}/verdict" if name is None else name
     body = _unseal_bytes(env.key, name, bytes(raw))
     verdict: Any = None
     if body is not None:
@@ -685,9 +752,21 @@ def _unpack(env: Environment, raw: bytes) -> dict[str, Any]:
         not isinstance(verdict, dict)
         or not isinstance(verdict.get("rank"), int)
         or not isinstance(verdict.get("problems"), list)
+        or not isinstance(verdict.get("message", ""), str)
+        or not _is_table(verdict.get("table", {}))
     ):
         raise _not_ours(env, name, raw)
     return verdict
+
+
+def _is_table(table: Any) -> bool:
+    """Whether ``table`` is a per-rank facts table as a verdict carries it."""
+    if not isinstance(table, dict):
+        return False
+    for r, facts in table.items():
+        if not str(r).lstrip("-").isdigit() or not isinstance(facts, dict):
+            return False
+    return True
 
 
 def _record_key() -> bytes | None:
@@ -750,7 +829,7 @@ def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: 
     read the verdict (counted in ``done``), at most ``budget``."""
     prefix = f"{_PREFIX}/{env.restart}"
     try:
-        if not store.check([f"{prefix}/verdict"]):  # this rank never concluded
+        if not store.check(_verdict_slots(env)[:1]):  # this rank never concluded
             payload = {"rank": env.rank, "message": str(error), "problems": list(error.problems)}
             _propose(store, env, payload)
             store.add(f"{prefix}/done", 1)
