@@ -200,6 +200,29 @@ def _generation(root: dist.Store) -> int:
         return 0
 
 
+def attack_counter(out_dir: str) -> None:
+    """Item 6 against the job of hostile_train.py started with ``kill``: once it trains,
+    garbage in the event counters of its first generations; then the job's rank 2 kills
+    itself (at the first step after ``OUT/attacked``)."""
+    out = Path(out_dir)
+    report: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        _wait_file(out / "port")
+        store = _connect(int((out / "port").read_text()))
+        store.wait(["attempt0/rd/current"], timedelta(seconds=WAIT_S))
+        root = dist.PrefixStore(f"attempt0/rd/{store.get('attempt0/rd/current').decode()}", store)
+        _wait_file(out / "ready", unless=out / "final0.json")
+        for n in range(3):
+            root.set(f"g{n}/ev/n", GARBAGE)
+        report["counter_garbage"] = True
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        report["error"] = f"{type(e).__name__}: {e}"
+        report["traceback"] = traceback.format_exc()
+    finally:
+        _touch(out / "attacked")
+        _report(out, "attacker", report)
+
+
 _JOIN_CODE = (
     "import sys; from tests._hostile_default_workers import join_outsider; "
     "join_outsider(sys.argv[1], int(sys.argv[2]))"

@@ -132,7 +132,7 @@ def _free_port() -> int:
     return port
 
 
-def _popen_ranks(out: Path, port: int) -> list[subprocess.Popen[bytes]]:
+def _popen_ranks(out: Path, port: int, *args: str) -> list[subprocess.Popen[bytes]]:
     procs = []
     for rank in range(WORLD):
         env = {
@@ -146,7 +146,7 @@ def _popen_ranks(out: Path, port: int) -> list[subprocess.Popen[bytes]]:
         with (out / f"log{rank}.txt").open("wb") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(SCRIPT), str(out)],
+                    [sys.executable, str(SCRIPT), str(out), *args],
                     env=env,
                     cwd=ROOT,
                     stdout=log,
@@ -263,6 +263,51 @@ def test_env_rank0_store_without_a_secret_an_attacker_changes_nothing(tmp_path: 
             assert None not in codes, f"deadline passed\n{report}"
             _check_unharmed(out, report, _rank0_output(out))
             assert codes == [0] * (WORLD + 1), report
+            return
+    finally:
+        kill_named(tmp_path)
+        for p in procs:
+            p.wait()
+
+
+def test_env_without_a_secret_garbage_in_the_event_counter_then_a_kill_names_the_culprit(
+    tmp_path: Path,
+) -> None:
+    """Item 6 under env:// (rank 0 hosts the store), no secret: garbage in the event
+    counters once the job trains, then SIGKILL of rank 2. The survivors name rank 2 and
+    only it: they go on without it (a shrink naming rank 2) or raise RankFailureError
+    naming it; never an error that blames the store or another rank."""
+    deadline = time.monotonic() + DEADLINE_S
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for attempt in range(PORT_ATTEMPTS):
+            out = tmp_path / f"out{attempt}"
+            out.mkdir()
+            procs = [
+                *_popen_ranks(out, _free_port(), "kill"),
+                _attacker("attack_counter", str(out)),
+            ]
+            codes = _wait_all(procs, deadline)
+            report = f"return codes {codes}\n{_outputs(tmp_path)}"
+            final0 = _read(out / "final0.json") or {}
+            if "already in use" in str(final0.get("error")) and attempt < PORT_ATTEMPTS - 1:
+                kill_named(out)
+                continue
+            assert None not in codes, f"deadline passed\n{report}"
+            attacker = _read(out / "attacker.json") or {}
+            assert attacker.get("counter_garbage"), report
+            assert codes[2] == -9, report
+            for r in range(2):
+                f = _read(out / f"final{r}.json")
+                assert f is not None, f"rank {r} left no record\n{report}"
+                if "error" in f:
+                    assert f["error"]["rank_failure"], f"rank {r}\n{report}"
+                    assert f["error"]["ranks"] == [2], f"rank {r}\n{report}"
+                else:
+                    shrinks = [e for e in f["events"] if e["kind"] == "shrink"]
+                    assert len(shrinks) == 1, f"rank {r}: {f['events']}\n{report}"
+                    assert [c["rank"] for c in shrinks[0]["culprits"]] == [2], report
+                    assert f["world_size"] == WORLD - 1, report
             return
     finally:
         kill_named(tmp_path)

@@ -2,11 +2,12 @@
 torchrun or an env:// launcher (rank 0 hosting the store), with an attacker beside it
 (tests/test_hostile_default.py, issue 29):
 
-    hostile_train.py OUT_DIR [gate]
+    hostile_train.py OUT_DIR [gate] [kill]
 
 Rank 0 writes the store's port to ``OUT_DIR/port`` (where the attacker learns the address
 it would otherwise scan for). With ``gate`` every rank waits for ``OUT_DIR/gate`` before
-``rd.init_process_group()`` (the attacker plants its start-up records first).
+``rd.init_process_group()`` (the attacker plants its start-up records first). With
+``kill`` rank :data:`KILLED` SIGKILLs itself at the first step after the attacker is done.
 
 The loop trains ``nn.Linear(8, 1)`` on batches that depend on (step, rank) only. Rank 0
 writes ``OUT_DIR/ready`` at step :data:`READY_STEP` (the attacker starts its attacks on the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -44,6 +46,7 @@ PACE_S = 0.01  # between steps, so that the attacker's seconds are a few hundred
 LR = 0.02
 MOMENTUM = 0.9
 GATE_WAIT_S = 60.0
+KILLED = 2  # with "kill": SIGKILLed at the first step after the attacker is done
 
 
 def config() -> rd.ResilienceConfig:
@@ -115,6 +118,8 @@ def train(
             if flag_step is None and flag.item() > 0:
                 flag_step = step
         joined = False
+        if rank == KILLED and flag_step is not None and "kill" in sys.argv[2:]:
+            os.kill(os.getpid(), signal.SIGKILL)  # the real kill of item 6
         t0 = time.perf_counter()
         x, y = batch(step, rank)
         loss = nn.functional.mse_loss(model(x), y)
@@ -165,6 +170,8 @@ def main() -> None:
             "type": type(e).__name__,
             "message": str(e),
             "traceback": traceback.format_exc(),
+            "rank_failure": isinstance(e, rd.RankFailureError),
+            "ranks": list(getattr(e, "ranks", [])),
         }
         raise
     finally:
