@@ -14,6 +14,9 @@ Deployments:
   event log take at most :data:`STEP_RATIO` times as long as before the attacks. Rank 0
   says at start-up how to allow joins (item 3); torchrun's store is checked to listen on
   every interface.
+- env:// again, no secret: garbage in the event counters, then a real SIGKILL of rank 2
+  (item 6): the survivors name rank 2 and only it (shrinking, or raising
+  RankFailureError), never the store or another rank.
 - The same torchrun job with a preflight verdict and garbage facts planted before start-up
   (item 5, no secret): start-up fails on every rank with our ``PreflightError``, nothing
   else (the issue's bar without a secret: no more than a clear, typed failure).
