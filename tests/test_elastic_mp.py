@@ -270,7 +270,8 @@ def test_under_torchrun_a_node_is_lost_and_a_replacement_joins(tmp_path: Path) -
     out = tmp_path / "out"
     out.mkdir()
     args = [str(script), str(out), json.dumps(faults)]
-    env = {**os.environ, "RESILIENT_DDP_STORE": endpoint}
+    # As the recipe says: the same secret everywhere (without one, joins are refused).
+    env = {**os.environ, "RESILIENT_DDP_STORE": endpoint, "RESILIENT_DDP_SECRET": "recipe" * 4}
     agent_cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node",
         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf",
