@@ -1164,10 +1164,13 @@ def test_form_polls_one_counter_and_reads_the_flags_once_all_arrived(
     with ThreadPoolExecutor(1) as pool:
         formed = pool.submit(elastic._form, rt, el, 9, [0, 1, 2, 3], [0, 1, 2, 3])  # type: ignore[arg-type]
         time.sleep(0.3)
-        polls = store.count("add") - 1  # its own arrival is one
+        # Counters are read with compare_set (an add on a value that is not a number
+        # breaks the connection); its own arrival is one, before its add.
+        polls = store.count("compare_set") - 1
+        assert store.count("add") == 1  # its own arrival
         assert store.count("check") == 0, store.calls  # no flag read: not all counted
         assert 2 <= polls <= 25, polls  # backing off: 5 ms, growing to 50 ms
-        assert {n for n, _ in store.calls} == {"set", "add"}
+        assert {n for n, _ in store.calls} == {"set", "add", "compare_set"}
         others.post_ready(9, 3)
         formed.result(timeout=10)
     assert rebuilt == [(9, 0, [0, 1, 2, 3])]
@@ -1233,7 +1236,9 @@ def test_agree_reads_the_proposal_log_only_when_a_decision_may_be_due() -> None:
         # A poll: the decision (one check) and the proposal count (one add).
         polls = store.count("check", lambda keys: keys == ["rec/g0/r0/d"])
         assert 2 <= polls <= 25, polls
-        assert store.count("add") == polls + 1  # + its own proposal's count
+        # Counters are read with compare_set; + its own proposal's count (then one add).
+        assert store.count("compare_set") == polls + 1
+        assert store.count("add") == 1
         others.post_proposal("rec/g0/r0", P(2).to_json())
         dec = agreed.result(timeout=10)
     assert (dec["members"], dec["outcome"]) == ([0, 1, 2], "redo"), dec

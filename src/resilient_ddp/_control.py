@@ -629,8 +629,8 @@ class ControlPlane:
 
     def init_counters(self) -> None:
         """Create the counters every poll reads, so that no poll ever waits for a key."""
-        self._call(self.store.add, "ev/n", 0)
-        self._call(self.store.add, "diag", 0)
+        self._add("ev/n", 0)
+        self._add("diag", 0)
 
     def wait_attached(self, world: int, timeout: timedelta) -> list[int]:
         """Wait until every rank of ``range(world)`` published its identity and its first
@@ -731,10 +731,7 @@ class ControlPlane:
         server drops the connection of an ``add`` on a value that is not a number, which
         would read as a lost store. Such a value is replaced by 0 (and counted, see
         :func:`rejected_records`) first. Two round trips (failure path only)."""
-        cur = self._call(self.store.compare_set, key, "", "0")  # creates it at 0 if missing
-        if _number(cur, self._name(key)) is None:
-            self._call(self.store.compare_set, key, cur, "0")
-        return int(self._call(self.store.add, key, n))
+        return _safe_add(self._call, self.store, key, n, self._name(key))
 
     # -- shared diagnoses --------------------------------------------------------------------
     def claim_diagnosis(self, seq: int, k: int) -> bool:
@@ -995,7 +992,11 @@ class JobStore:
 
     def _bump(self, key: str) -> None:
         """Count one more record under the arrival counter ``key`` (see :meth:`_tally`)."""
-        self._c(self.root.add, key, 1)
+        self._add(key, 1)
+
+    def _add(self, key: str, n: int) -> int:
+        """``add(key, n)``, safe from data the job did not write (see :func:`_safe_add`)."""
+        return _safe_add(self._c, self.root, key, n, key)
 
     def _tally(self, key: str) -> int:
         """An arrival counter's value in one round trip, whether or not it exists yet.
@@ -1006,7 +1007,7 @@ class JobStore:
         only used on keys written by ``add`` alone: ``add`` on a key holding anything but a
         number breaks the connection.
         """
-        return int(self._c(self.root.add, key, 0))
+        return _count(self._c(self.root.compare_set, key, "", "0"), key)
 
     def _present(self, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` exist (:func:`present`)."""
@@ -1045,8 +1046,8 @@ class JobStore:
             if rec is not None:
                 return rec
         raise ControlPlaneError(
-            f"the control-plane store holds garbage in every slot of the decision {key!r}: "
-            "a process outside the job writes to its store"
+            f"the control-plane store holds data this job did not write in every slot of "
+            f"the decision {key!r}: a process outside the job writes to its store"
         )
 
     # -- generations -------------------------------------------------------------------------
@@ -1071,7 +1072,7 @@ class JobStore:
     def vote_retry(self, generation: int, seq: int, attempt: int) -> int:
         """Vote, as one rank of ``generation``, to redo op ``seq`` (``attempt``); return
         the votes so far."""
-        return int(self._c(self.root.add, f"g{generation}/retry/{seq}/{attempt}", 1))
+        return self._add(f"g{generation}/retry/{seq}/{attempt}", 1)
 
     def retry_votes(self, generation: int, seq: int, attempt: int) -> int:
         return self._counter(f"g{generation}/retry/{seq}/{attempt}")
@@ -1091,7 +1092,7 @@ class JobStore:
 
     def next_generation(self) -> int:
         """A generation number no group has used, above every one used so far."""
-        return int(self._c(self.root.add, "gen_seq", 1))
+        return self._add("gen_seq", 1)
 
     def members(self) -> dict[str, Any] | None:
         """The last complete generation's record ``{"gen": N, "members": [ids]}``, or None
@@ -1115,7 +1116,7 @@ class JobStore:
 
     def leave(self, generation: int) -> int:
         """Count one more member of ``generation`` that left normally; return the count."""
-        return int(self._c(self.root.add, f"left/g{generation}", 1))
+        return self._add(f"left/g{generation}", 1)
 
     def ended(self) -> dict[str, Any] | None:
         return self.decision("ended")
@@ -1156,17 +1157,17 @@ class JobStore:
 
     # -- grow --------------------------------------------------------------------------------
     def init_joins(self) -> None:
-        self._c(self.root.add, "join/n", 0)
+        self._add("join/n", 0)
 
     def join_count(self) -> int:
         return self._counter("join/n")
 
     def new_joiner_uid(self) -> int:
-        return int(self._c(self.root.add, "join/uid", 1))
+        return self._add("join/uid", 1)
 
     def request_join(self, request: dict[str, Any]) -> None:
         self._append("join/log", request)
-        self._c(self.root.add, "join/n", 1)
+        self._add("join/n", 1)
 
     def join_requests(self) -> list[dict[str, Any]]:
         return self._log("join/log")
@@ -1175,7 +1176,7 @@ class JobStore:
         """``rank`` saw ``requests`` join requests in ``generation`` when it had
         ``committed`` steps, and looks for the admission at every step boundary after."""
         self._put(ack_key(generation, requests, rank), {"committed": committed})
-        if int(self._c(self.root.add, self._ack_counter(generation, requests), 1)) == 1:
+        if self._add(self._ack_counter(generation, requests), 1) == 1:
             # The first rank to acknowledge this count notes it in the generation's
             # ``extra`` (one line), for :meth:`forget_generation` to delete these keys: no
             # single rank knows every count the others acknowledged in the generation.
@@ -1239,7 +1240,7 @@ class JobStore:
         return self._counter(f"join/tries/{uid}")
 
     def add_join_try(self, uid: int) -> None:
-        self._c(self.root.add, f"join/tries/{uid}", 1)
+        self._add(f"join/tries/{uid}", 1)
 
     def post_has_state(self, generation: int, rank: int) -> None:
         self._put(f"adm/g{generation}/ok/{rank}", {"ok": True})
@@ -1376,6 +1377,20 @@ def read_log(
         if rec is not None:
             out.append(rec)
     return out
+
+
+def _safe_add(call: Callable[..., Any], store: dist.Store, key: str, n: int, name: str) -> int:
+    """``store.add(key, n)`` through ``call`` (which types store errors), safe from data the
+    job did not write under ``key``: the server drops the connection of an ``add`` on a
+    value that is not a number, which would read as a lost store. Such a value is counted
+    (:func:`rejected_records`) and replaced by 0 first. With ``n == 0`` one request
+    (``compare_set``, which also creates the counter), else two."""
+    cur = call(store.compare_set, key, "", "0")  # creates it at 0 if missing
+    value = _number(cur, name)
+    if value is None:
+        call(store.compare_set, key, cur, "0")
+        value = 0
+    return int(call(store.add, key, n)) if n else value
 
 
 def _number(raw: bytes, name: str = "counter") -> int | None:
