@@ -330,3 +330,26 @@ def test_with_a_secret_a_planted_verdict_and_facts_are_skipped(
     assert mine
     assert store.check(["rd/preflight/0/verdict/1"])
     assert preflight._read_verdict(store, other) == {"rank": 0, "problems": []}
+
+
+def test_garbage_in_the_jobs_counters_is_counted_never_a_lost_store() -> None:
+    """Over a real TCPStore (whose server drops the connection of an add on a value that
+    is not a number): join, arrival and retry counters holding garbage."""
+    server = ctl.serve_store()
+    try:
+        root = ctl.root_prefix(
+            dist.TCPStore("127.0.0.1", server.port, is_master=False), "job", SECRET
+        )
+        jobs = ctl.JobStore(root)
+        for key in ("join/n", "form/g1/n", "g0/retry/3/0", "gen_seq"):
+            root.set(key, "garbage")
+        jobs.request_join({"uid": 5})
+        assert jobs.join_count() == 1
+        assert jobs.ready_count(1) == 0  # read without breaking the connection
+        jobs.post_ready(1, 0)
+        assert jobs.ready_count(1) == 1
+        assert jobs.vote_retry(0, 3, 0) == 1
+        assert jobs.next_generation() == 1
+        assert ctl.rejected_records().get("join/n", 0) >= 1
+    finally:
+        del server
