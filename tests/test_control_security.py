@@ -353,3 +353,13 @@ def test_garbage_in_the_jobs_counters_is_counted_never_a_lost_store() -> None:
         assert ctl.rejected_records().get("join/n", 0) >= 1
     finally:
         del server
+
+
+def test_a_ranks_last_state_is_never_taken_for_a_replay() -> None:
+    """A rank that leaves or fails publishes its last state with beat -1."""
+    root = ctl.root_prefix(dist.HashStore(), "job", SECRET)
+    rank1, reader = ctl.ControlPlane(root, 0), ctl.ControlPlane(root, 0)
+    rank1.publish_state(1, {"beat": 9, "status": "running"})
+    assert reader.read_states([1])[1]["beat"] == 9
+    rank1.publish_state(1, {"beat": -1, "status": "left"})
+    assert reader.read_states([1])[1]["status"] == "left"

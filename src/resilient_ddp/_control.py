@@ -816,7 +816,8 @@ class ControlPlane:
             if rec is None:
                 continue
             beat = rec.get("beat")
-            if "/state/" in name and isinstance(beat, int):
+            # A rank's last state (left, failed) has beat -1: it is never older than one read.
+            if "/state/" in name and isinstance(beat, int) and beat >= 0:
                 if beat < self._beats.get(r, beat):
                     _note_rejected(name, "an older heartbeat written back (a replay)")
                     continue
