@@ -3,10 +3,16 @@ and the decisions of elastic training.
 
 The control plane lives in the c10d store, apart from the data plane (the process group), so
 it keeps working when the data plane is broken. Every key of a job sits under the job's
-namespace ``rd/<job>/`` (:func:`root_prefix`; ``rd/current`` names the last job that started
-on the store). With a job secret every value and log line is sealed (:func:`seal`): an HMAC
-of its key name and JSON. This module is the only one that reads or writes these keys:
-:class:`ControlPlane` for one generation's keys, :class:`JobStore` for the job's.
+namespace (:func:`root_prefix`; ``rd/current`` names the last job that started on the
+store): ``rd/<job>/<tag>/``, ``tag`` derived from the job's record key, which comes from the
+operator's secret or, without one, is agreed by the ranks over the formed group
+(:func:`group_secret`). Every value and log line is sealed (:func:`seal`): an HMAC of its
+key name and JSON. Old sealed records written back (replays) are ignored: generations,
+``members`` and heartbeat beats only grow, copies of event lines are dropped. Data the job
+did not write is counted (:func:`rejected_records`) and ignored; counters it lands in
+never break a connection (:func:`_safe_add`). This module is the only one that reads or
+writes these keys: :class:`ControlPlane` for one generation's keys, :class:`JobStore` for
+the job's.
 
 One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``:
 
@@ -29,7 +35,7 @@ One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``:
 The job (:class:`JobStore`), under ``rd/<job>/``:
 
 =========================  ===================================================
-``gen``                    the current generation (set by its rank 0)
+``gen``                    the current generation ``{"gen": N}`` (set by its rank 0)
 ``gen_seq``                generation numbers drawn so far (a counter)
 ``g<N>/retry/<seq>/<a>``   group-retry votes for op ``seq``, attempt ``a``; ``/abort``
 ``g<N>/retry/<seq>/<a>/gen``  the generation that retry forms (slots as below)
