@@ -20,11 +20,13 @@ since the epoch), ``kind``, ``job`` (the job id), ``rank``, ``host``, ``pid`` an
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,14 +37,26 @@ log = logging.getLogger("resilient_ddp")
 _lock = threading.Lock()
 _broken: set[str] = set()  # event files that could not be written (warned once each)
 
+QUEUE_LINES = 1024  # lines waiting for the writer thread; beyond, events are dropped
+WAIT_S = 0.1  # how long record() waits for its line to be written, while the file answers
+FLUSH_S = 1.0  # how long the process waits at exit for the lines still queued
+_IDLE_S = 0.5  # the writer thread ends after this long with nothing to write
+
 
 def record(rt: Runtime, kind: str, **fields: Any) -> dict[str, Any]:
     """Append one event of ``kind`` to this rank's event file (if one is configured).
 
+    The line is written by a background thread (:class:`_Writer`): this call waits at most
+    ``WAIT_S`` (0.1 s) for it, and not at all while an earlier line is still being
+    written, so a file system that stops answering (a hung network mount) never blocks a
+    rank. Lines that find the queue full (``QUEUE_LINES``) are dropped and counted: a
+    warning says so once, and an ``events_dropped`` line (``dropped``: how many so far)
+    is written when the file answers again.
+
     Never raises: an event file that cannot be written is reported once in the log.
 
     Returns:
-        The event as written.
+        The event as recorded.
     """
     event: dict[str, Any] = {
         "t": time.time(),
@@ -60,22 +74,124 @@ def record(rt: Runtime, kind: str, **fields: Any) -> dict[str, Any]:
             # The rank of the first event: a process keeps its file when elastic training
             # renumbers the ranks.
             rt.event_path = template.replace("{rank}", str(rt.rank))
-        path = rt.event_path
-        line = (json.dumps(event, default=str) + "\n").encode()
-        try:
-            # One write of the whole line, appended: lines of several writers never mix.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            with _lock:
-                first = path not in _broken
-                _broken.add(path)
-            if first:
-                log.warning("cannot write resilience events to %s: %s", path, e)
+        writer.put(rt.event_path, (json.dumps(event, default=str) + "\n").encode())
     return event
+
+
+def flush(timeout: float = FLUSH_S) -> bool:
+    """Wait up to ``timeout`` seconds for the queued event lines to be written.
+
+    Returns:
+        True if none is left.
+    """
+    return writer.flush(timeout)
+
+
+def _append(path: str, line: bytes) -> None:
+    """Write one line to ``path``, appended in one write: lines of several writers never
+    mix. Blocks while the file system does not answer."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        with _lock:
+            first = path not in _broken
+            _broken.add(path)
+        if first:
+            log.warning("cannot write resilience events to %s: %s", path, e)
+
+
+class _Writer:
+    """Writes event lines from a daemon thread, in order, off the caller's thread.
+
+    The thread starts with the first line and ends after ``_IDLE_S`` without work; a
+    forked child starts its own. At most ``QUEUE_LINES`` lines wait; more are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[str, bytes]] = deque()
+        self._queued = 0  # lines accepted so far
+        self._done = 0  # lines handed to the file system and returned
+        self._busy_since: float | None = None  # monotonic start of the write in progress
+        self._dropped = 0
+        self._reported = 0  # drops already written to the file as ``events_dropped``
+        self._thread: threading.Thread | None = None
+        self._at_exit = False
+
+    def put(self, path: str, line: bytes) -> None:
+        """Queue ``line`` for ``path``; wait up to ``WAIT_S`` for it while the file answers."""
+        with self._cv:
+            if len(self._queue) >= QUEUE_LINES:
+                self._dropped += 1
+                if self._dropped == 1:
+                    log.warning(
+                        "the event log %s is not keeping up (is its file system answering?): "
+                        "events are dropped, and counted in an 'events_dropped' line when it "
+                        "answers again; training goes on",
+                        path,
+                    )
+                return
+            self._queue.append((path, line))
+            self._queued += 1
+            ticket = self._queued
+            if self._thread is None or not self._thread.is_alive():
+                self._start()
+            self._cv.notify_all()
+            if self._stalled():
+                return  # an earlier line is still being written: do not wait behind it
+            self._cv.wait_for(lambda: self._done >= ticket, WAIT_S)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for every queued line; True if none is left."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._done >= self._queued, timeout)
+
+    @property
+    def dropped(self) -> int:
+        """Lines dropped so far because the queue was full."""
+        return self._dropped
+
+    def _stalled(self) -> bool:
+        since = self._busy_since
+        return since is not None and time.monotonic() - since > WAIT_S
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="resilient_ddp-events", daemon=True)
+        self._thread.start()
+        if not self._at_exit:
+            self._at_exit = True
+            atexit.register(self.flush, FLUSH_S)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not self._cv.wait_for(lambda: bool(self._queue), _IDLE_S):
+                    self._thread = None
+                    return
+                path, line = self._queue.popleft()
+                self._busy_since = time.monotonic()
+                dropped = self._dropped
+            _append(path, line)
+            if dropped > self._reported:
+                self._reported = dropped
+                note = {"t": time.time(), "kind": "events_dropped", "dropped": dropped}
+                _append(path, (json.dumps(note) + "\n").encode())
+            with self._cv:
+                self._busy_since = None
+                self._done += 1
+                self._cv.notify_all()
+
+    def _after_fork(self) -> None:
+        # The child has no writer thread and a copy of a lock that may have been held.
+        self.__init__()  # type: ignore[misc]
+
+
+writer = _Writer()
+os.register_at_fork(after_in_child=writer._after_fork)
 
 
 class RankFilter(logging.Filter):
