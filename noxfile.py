@@ -1,4 +1,5 @@
-"""Nox sessions: ``tests`` (gloo on CPU), ``lint``, ``mypy``, ``docs``, ``benchmarks``, ``demo``.
+"""Nox sessions: ``tests`` (gloo on CPU), ``lint``, ``mypy``, ``docs``, ``benchmarks``,
+``bench_ray`` (Ray Data beside our inference; benchmark only), ``demo``.
 
 Every install passes ``-c constraints/ci.txt``. That file pins torch to the local 2.13.0
 CPU wheel, and an unpinned torch would pull several GB of CUDA wheels. Sessions use the
@@ -86,6 +87,18 @@ def benchmarks(session: nox.Session) -> None:
     # test and the frameworks: bench_frameworks.py runs the framework tests' scripts.
     session.install(*CONSTRAINTS, "-e", f".[bench,test,{FRAMEWORKS}]", "numpy")
     session.run("python", "benchmarks/run_all.py", "--started", f"{started:.3f}", *session.posargs)
+
+
+@nox.session(python=None)
+def bench_ray(session: nox.Session) -> None:
+    """Run ``benchmarks/bench_inference.py`` with Ray Data beside it (part (d), Ray's side).
+
+    ``ray[data]`` is a benchmark-only dependency: no other session and no CI run installs
+    it. The constraints keep torch at the local CPU wheel. Extra arguments go to the
+    benchmark, e.g. ``-- --quick`` or ``-- --only ray``.
+    """
+    session.install(*CONSTRAINTS, "-e", ".[bench]", "numpy", "ray[data]==2.60.0")
+    session.run("python", "benchmarks/bench_inference.py", *session.posargs)
 
 
 @nox.session(python=None)

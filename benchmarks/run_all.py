@@ -766,6 +766,162 @@ def render_sampler(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+@renderer("inference")
+def render_inference(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    balance = data.get("balance", [])
+    lines = [
+        f"{setup.get('world_size', '?')} ranks, gloo on CPU, launched by "
+        f"{setup.get('launcher', '?')}, batch size {setup.get('batch_size', '?')}. The work "
+        f"of an item: {setup.get('work', '?')}; sleeping ranks do not fight for the 2 cores, "
+        "so the figures measure the schedule, not the machine. "
+        f"{setup.get('statistic', '').capitalize()}.",
+        "",
+    ]
+    if balance:
+        lines += [
+            "**Balance with costs the library is not told** (heavy-tailed, as generation "
+            f"lengths: log-normal sigma {setup.get('lognormal', {}).get('sigma', '?')}; Pareto "
+            f"alpha {setup.get('pareto', {}).get('alpha', '?')} capped at "
+            f"{setup.get('pareto', {}).get('cap_times_min', '?'):g} times its minimum). "
+            f"{balance[0]['items']} items; the ideal is the total work over the ranks. "
+            "Measured: rank 0's wall time of the call over the ideal; over fn's time: the "
+            "same wall time over the time `fn` really took on all ranks (its sleeps "
+            "overshoot) divided by the ranks, i.e. what the schedule and the library add; "
+            "simulated: the same schedule computed without processes (no overhead).",
+            "",
+        ]
+        dists = list(dict.fromkeys(r["distribution"] for r in balance))
+        variants = list(dict.fromkeys(r["variant"] for r in balance))
+        rows = []
+        for v in variants:
+            cells = [next(r["label"] for r in balance if r["variant"] == v)]
+            for d in dists:
+                r = next(x for x in balance if x["variant"] == v and x["distribution"] == d)
+                ok = "" if r["exact"] else " (results wrong)"
+                cells += [
+                    f"{r['ratio']:.3f}{ok}",
+                    _ratio(r.get("spent_ratio")),
+                    f"{r['sim_ratio']:.3f}",
+                ]
+            rows.append(cells)
+        header = ["schedule"]
+        for d in dists:
+            ideal = next(x["ideal_s"] for x in balance if x["distribution"] == d)
+            big = next(x["largest_item_s"] for x in balance if x["distribution"] == d)
+            header += [
+                f"{d}: measured (ideal {ideal:.2f} s, largest item {big * 1000:.0f} ms)",
+                f"{d}: over fn's time / ranks",
+                f"{d}: simulated",
+            ]
+        lines += md_table(header, rows, align="l" + "r" * (3 * len(dists)))
+        lines.append("")
+    kill = data.get("kill")
+    if kill:
+        redone = "; ".join(
+            f"chunk {r['chunk']} ({r['items']} items): {r['why']}" for r in kill["redone"]
+        )
+        lines += [
+            f"**A rank killed at {kill['killed_at_fraction']:.0%} of the work** (rank "
+            f"{kill['victim']} SIGKILLs itself; {kill['items']} log-normal items, chunks of "
+            f"{kill['chunk_items']} items, mean chunk {kill['mean_chunk_s']:.2f} s of work, "
+            f"failure detection: {setup.get('fault_config', {})}).",
+            "",
+            *md_table(
+                ["run", "wall s", "over fault-free", "results exact"],
+                [
+                    [
+                        "fault-free",
+                        f"{kill['fault_free_s']:.2f}",
+                        "1.000",
+                        str(kill["fault_free_exact"]),
+                    ],
+                    [
+                        f"rank {kill['victim']} killed",
+                        f"{kill['killed_s']:.2f}",
+                        f"{kill['ratio']:.3f}",
+                        str(kill["killed_exact"]),
+                    ],
+                    [
+                        "goal: + lost share / survivors + one chunk",
+                        f"{kill['goal_s']:.2f}",
+                        f"{kill['goal_ratio']:.3f}",
+                        "",
+                    ],
+                ],
+                align="lrrl",
+            ),
+            "",
+            f"Redone: {redone or 'nothing'}. Rank 0's summary:",
+            "",
+            "```text",
+            kill.get("summary", ""),
+            "```",
+            "",
+        ]
+    memory = data.get("memory", [])
+    if memory:
+        mem = setup.get("memory", {})
+        lines += [
+            f"**Rank 0's memory** ({mem.get('world_size', '?')} ranks, "
+            f"{memory[0]['results']} results of {mem.get('result_bytes', 0) // 1024} KiB: "
+            f"{memory[0]['total_mib']:.0f} MiB in all; {mem.get('statistic', '')}; each "
+            "variant in fresh processes). The store host is the launching process (rd.spawn's "
+            "parent; under torchrun, the agent): the pulled results pass through it.",
+            "",
+            *md_table(
+                ["path", "rank 0 peak +MiB", "other ranks +MiB", "store host +MiB", "s", "exact"],
+                [
+                    [
+                        r["label"],
+                        f"{r['rank0_growth_mib']:.0f}",
+                        ", ".join(f"{g:.0f}" for g in r["others_growth_mib"]),
+                        f"{r['store_host_growth_mib']:.0f}",
+                        f"{r['wall_s']:.1f}",
+                        str(r["exact"]),
+                    ]
+                    for r in memory
+                ],
+                align="lrrrrl",
+            ),
+            "",
+        ]
+    ray = data.get("ray", {})
+    if ray.get("skipped"):
+        lines += [f"**Ray Data**: not run: {ray['skipped']}.", ""]
+    elif ray.get("rows"):
+        lines += [
+            f"**Ray Data {ray.get('ray_version', '?')} beside it**, on the same work "
+            f"({ray['items']} log-normal items, ideal {ray['ideal_s']:.2f} s; Ray: "
+            "`ray.data.range(n).map_batches(fn, batch_size=4)`, default blocks, "
+            f"`ray.init(num_cpus=4)`, which took {ray.get('ray_init_s', 0):.1f} s and is not "
+            "counted; ours: the call, without the processes' start). The killed worker "
+            "SIGKILLs itself in its first batch past half of the items.",
+            "",
+            *md_table(
+                ["system", "fault", "wall s", "items/s", "complete", "duplicates"],
+                [
+                    [
+                        r["system"],
+                        r["fault"],
+                        f"{r['wall_s']:.2f}",
+                        f"{r['items_per_s']:.0f}",
+                        str(r["complete"]),
+                        str(r["duplicates"]),
+                    ]
+                    for r in ray["rows"]
+                ],
+                align="llrrll",
+            ),
+            "",
+        ]
+    return lines
+
+
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
