@@ -163,6 +163,9 @@ class ResilientDDP(DistributedDataParallel):
         PreflightError: Parameter names, shapes or dtypes, the backend, the torch/CUDA/NCCL
             versions differ across ranks, or two ranks of one host use the same GPU.
         RankFailureError: A rank failed during construction.
+        ConfigError: The module has no parameter that requires a gradient (DDP raises a
+            bare RuntimeError), or a ``process_group`` of your own with
+            ``on_failure="shrink"``.
     """
 
     # -- construction ------------------------------------------------------------------------
@@ -174,6 +177,13 @@ class ResilientDDP(DistributedDataParallel):
         **kwargs: Any,
     ) -> None:
         rt = ensure_runtime(resilience)
+        if not any(p.requires_grad for p in module.parameters()):
+            # DDP raises a bare RuntimeError here; a bad argument is a ConfigError.
+            raise ConfigError(
+                f"ResilientDDP, as DistributedDataParallel, needs a module with a parameter "
+                f"that requires a gradient; {type(module).__name__} has none (run a module "
+                f"that does not train without the wrapper, e.g. with rd.distributed_inference)."
+            )
         # Fields given in code win; RESILIENT_DDP_* variables fill in the others.
         self._rd_config = resolve(resilience) if resilience is not None else rt.config
         group = kwargs.get("process_group")
