@@ -699,12 +699,14 @@ class Op:
             self.deadline = self.start + self.busy_s
         if working:
             self._tell_busy(working)
-        busy = [float(c["busy_until"]) for c in culprits if c.get("busy_until") is not None]
+        busy = [float(c["busy_left"]) for c in culprits if c.get("busy_left") is not None]
         if len(busy) == len(culprits) and not self.bounds_call:
             # Every late rank is inside a section with a budget (rd.section): busy, not
-            # missing. Wait for it on the same handle until that budget ends; if it
-            # overruns, its watchdog reports it and this wait fails at once.
-            until = time.monotonic() + max(busy) - time.time() + 1.0
+            # missing. Wait for it on the same handle until that budget ends (seconds left
+            # as of the diagnosis, on this rank's monotonic clock: no peer's wall clock is
+            # compared with this one's); if it overruns, its watchdog reports it and this
+            # wait fails at once.
+            until = time.monotonic() + max(busy) + 1.0
             if until > self.deadline:
                 self.deadline = until
                 log.info(
@@ -756,7 +758,7 @@ class Op:
                 c.get("blame") == "NEVER_ARRIVED_IDLE"
                 and c.get("alive", False)
                 and not c.get("inside")  # in the library's own bounded wait
-                and c.get("busy_until") is None
+                and c.get("busy_left") is None
                 and isinstance(idle, float)
                 and idle >= self.window_s
             ):
