@@ -397,7 +397,7 @@ def test_retries_fit_in_a_calls_timeout() -> None:
         (0.5, 0.5),
         (Fraction(1, 4), 0.25),
         (timedelta(milliseconds=2), 0.002),
-        (timedelta.max, timedelta.max.total_seconds()),
+        (timedelta(days=365), 365 * 86400.0),  # the longest accepted
         (None, 60.0),  # the default given
     ],
 )
@@ -418,6 +418,9 @@ def test_a_duration_argument_is_read_in_seconds(value: Any, seconds: float) -> N
         (float("-inf"), "must be positive"),
         (1e300, "must be finite"),
         (10**400, "must be finite"),  # beyond a float: OverflowError inside
+        (timedelta.max, "at most 365 days"),
+        (timedelta(days=365, seconds=1), "at most 365 days"),
+        (1e9 * 3600, "at most 365 days"),  # "1e9h"
         ("5", "should be a timedelta or a number of seconds"),
         ("5s", "should be a timedelta or a number of seconds"),
         (b"5", "should be a timedelta or a number of seconds"),

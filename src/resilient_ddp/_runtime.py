@@ -33,14 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from . import _clock, _events, _progress
 from . import _control as ctl
 from . import _diagnosis as dg
-from . import _events, _progress
-from .config import ResilienceConfig
+from .config import ResilienceConfig, duration_seconds
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    ConfigError,
     ControlPlaneError,
     Culprit,
     RankFailureError,
@@ -276,6 +275,12 @@ class Runtime:
         self.told_delivered = False
         self.lingering = False  # the store host waits for its peers before exiting
         self.watchdog: Watchdog | None = None
+        # Each peer's heartbeat as this process saw it, on this process's monotonic clock:
+        # (generation, rank) -> (beat, when this beat was first seen, when the rank was
+        # first seen). Peers are judged by these, never by the wall-clock "t" they publish
+        # (another host's clock may be ahead or behind).
+        self._beats_seen: dict[tuple[int, int], tuple[Any, float, float]] = {}
+        self._beats_lock = threading.Lock()
         self._connections: dict[str, dist.Store] = {}
         self.elastic: Elastic | None = None  # with on_failure="shrink"
         # time.monotonic() of the watchdog's last completed tick (0: no watchdog yet); a
@@ -455,8 +460,31 @@ class Runtime:
             "where": self.liveness.last.where if self.liveness.last is not None else "",
             "inside": self.liveness.last.inside if self.liveness.last is not None else False,
             "raised": self.raised,
-            "t": time.time(),
+            # For people reading the state: peers never compare it with their own clock.
+            "t": _clock.wall(),
         }
+
+    def note_beat(self, rank: int, state: dict[str, Any]) -> float:
+        """Note that this process sees ``state`` (rank ``rank``'s published state) now.
+
+        Returns:
+            When this process first saw that heartbeat (its ``beat``), on its monotonic
+            clock (:func:`_clock.monotonic`). Never blocks (a lock held for a dict update).
+        """
+        beat, now, key = state.get("beat"), _clock.monotonic(), (self.generation, rank)
+        with self._beats_lock:
+            seen = self._beats_seen.get(key)
+            if seen is None or seen[0] != beat:
+                first = now if seen is None else seen[2]
+                self._beats_seen[key] = (beat, now, first)
+                return now
+            return seen[1]
+
+    def beat_age(self, rank: int) -> float:
+        """Seconds (this process's monotonic clock) since this process saw rank ``rank``'s
+        heartbeat change, or first saw it if it has not changed since; 0.0 if never seen."""
+        seen = self._beats_seen.get((self.generation, rank))
+        return 0.0 if seen is None else _clock.monotonic() - seen[1]
 
     def begin_startup(self) -> None:
         """A joiner was just admitted: until its first collective it is in the section
@@ -917,7 +945,7 @@ class Runtime:
     def post(self, event: dict[str, Any]) -> None:
         event.setdefault("reporter", self.rank)
         event.setdefault("gen", self.generation)
-        event.setdefault("t", time.time())
+        event.setdefault("t", _clock.wall())
         self.control.post_event(event)
 
     def report_exception(
@@ -1023,9 +1051,11 @@ class Runtime:
         key = (control.generation, seq)
         self.diagnosis_rounds[key] = k = self.diagnosis_rounds.get(key, 0) + 1
         if control.claim_diagnosis(seq, k):
-            verdict: dict[str, Any] = {"by": self.rank, "t": time.time(), "shared": False}
+            verdict: dict[str, Any] = {"by": self.rank, "t": _clock.wall(), "shared": False}
             try:
                 culprits = self._diagnose_here(control, name, seq)
+                # Its age is judged by the heartbeats this rank sent since (see below).
+                verdict["beat"] = self.watchdog.beats if self.watchdog is not None else None
                 divergent = any(c.get("blame") in _RELATIVE_BLAMES for c in culprits)
                 verdict.update(culprits=culprits, shared=not divergent and not self.failed_for(seq))
                 return culprits
@@ -1037,13 +1067,25 @@ class Runtime:
         if (
             shared is None
             or not shared.get("shared")
-            or time.time() - float(shared.get("t", 0))
-            > self.config.heartbeat_timeout.total_seconds()
             or not isinstance(shared.get("culprits"), list)
+            or self._verdict_stale(control, shared)
         ):
             return self._diagnose_here(control, name, seq)
         log.debug("rank %d: %s#%d: rank %s's diagnosis", self.rank, name, seq, shared.get("by"))
         return [c for c in shared["culprits"] if isinstance(c, dict)]
+
+    def _verdict_stale(self, control: ctl.ControlPlane, verdict: dict[str, Any]) -> bool:
+        """Whether a peer's shared verdict is older than ``heartbeat_timeout`` (this rank
+        came late): its author sent that many heartbeats since it published it. Counted in
+        the author's heartbeats, never by comparing the author's clock with this one's."""
+        by, beat = verdict.get("by"), verdict.get("beat")
+        if not isinstance(by, int) or isinstance(beat, bool) or not isinstance(beat, int):
+            return True
+        now = control.read_states([by]).get(by, {}).get("beat")
+        if isinstance(now, bool) or not isinstance(now, int):
+            return True
+        interval = self.config.heartbeat_interval.total_seconds()
+        return (now - beat) * interval > self.config.heartbeat_timeout.total_seconds()
 
     def _diagnosis_window(self) -> float:
         # Peers answer at their next heartbeat: never wait less than two of them.
@@ -1059,14 +1101,17 @@ class Runtime:
         request = control.request_diagnosis()
         deadline = time.monotonic() + self._diagnosis_window()
         answers: dict[int, dict[str, Any]] = {}
+        seen_at: dict[int, float] = {}  # when (monotonic) this process saw each answer
         states = control.read_states(others)
         while True:
             for r, st in states.items():
+                seen = self.note_beat(r, st)
                 # Keep the first answer: the next heartbeat republishes it without the stack.
                 if r not in answers and (
                     st.get("diag", 0) >= request or st.get("status") != "running"
                 ):
                     answers[r] = st
+                    seen_at[r] = seen
             if len(answers) == len(others) or self.failed_for(seq):
                 break
             if time.monotonic() >= deadline:
@@ -1090,6 +1135,9 @@ class Runtime:
                 s = with_board(beat, info)
             if s.get("seq") == seq:
                 ops[r] = str(s.get("op"))
+            # How long it has been silent, by this process's clock: since this process saw
+            # its heartbeat change (its wall-clock "t" may come from a clock that is off).
+            silent_s = self.beat_age(r)
             verdict = dg.what_blocks(
                 s,
                 answered=answered,
@@ -1097,27 +1145,15 @@ class Runtime:
                 running=running,
                 name=name,
                 seq=seq,
-                now=time.time(),
+                # what_blocks ages the heartbeat by its "t": give it this process's age.
+                now=_number(beat.get("t")) + silent_s,
                 recovery_phase=RECOVERY_PHASE,
             )
             if verdict is not None:
                 verdicts[r] = verdict
-                fresh = time.time() - float(beat.get("t", 0)) < hb_timeout
-                extra: dict[str, Any] = {}
-                idle = beat.get("idle")
-                if isinstance(idle, (int, float)) and not isinstance(idle, bool):
-                    # Busy or stuck (see Op._stuck): seconds since its progress signals
-                    # last moved, measured by its own clock; what moved; where it is.
-                    extra["idle"] = float(idle)
-                    moving = beat.get("moving")
-                    extra["moving"] = [str(m) for m in moving] if isinstance(moving, list) else []
-                    extra["where"] = str(beat.get("where", ""))
-                    # In one of the library's own waits (elastic recovery, an admission):
-                    # bounded by the library, not judged by progress.
-                    extra["inside"] = bool(beat.get("inside")) or s.get("phase") == RECOVERY_PHASE
-                if beat.get("section_left") is not None:
-                    # Wall-clock end of its section's budget, as of its last heartbeat.
-                    extra["busy_until"] = float(beat.get("t", 0)) + float(beat["section_left"])
+                fresh = bool(beat) and silent_s < hb_timeout  # no state at all: not fresh
+                seen = seen_at[r] if r in seen_at else self.note_beat(r, beat)
+                extra = _culprit_extra(beat, s, silent_s, seen)
                 culprits.append(
                     ctl.culprit_from(
                         r,
@@ -1864,15 +1900,11 @@ def section(name: str, budget: timedelta | float | None = None) -> Iterator[None
     Raises:
         RankFailureError: On exit, if the budget ran out.
     """
+    seconds = None if budget is None else duration_seconds("section budget", budget)
     rt = _runtime
     if rt is None:
         yield
         return
-    seconds = None
-    if budget is not None:
-        seconds = budget.total_seconds() if isinstance(budget, timedelta) else float(budget)
-        if seconds <= 0:
-            raise ConfigError(f"The section budget ({budget}) must be positive.")
     saved = (rt.section, rt.section_deadline, rt.section_budget)
     rt.section = name
     if seconds is not None:
@@ -1925,3 +1957,39 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         rt.phase = prev
+
+
+def _culprit_extra(
+    beat: dict[str, Any], state: dict[str, Any], silent_s: float, seen: float
+) -> dict[str, Any]:
+    """What a diagnosis adds to a late rank's culprit from its last heartbeat ``beat``
+    (``state``: its state as judged), ``silent_s`` seconds old by this process's clock
+    and first seen at ``seen`` (this process's monotonic clock)."""
+    # Its heartbeat's age by this process's clock (the one culprit_from would compute
+    # compares its wall-clock "t" with this host's).
+    extra: dict[str, Any] = {"state_age": round(silent_s, 3)}
+    idle = beat.get("idle")
+    if isinstance(idle, (int, float)) and not isinstance(idle, bool):
+        # Busy or stuck (see Op._stuck): seconds since its progress signals last moved,
+        # measured by its own clock; what moved; where it is.
+        extra["idle"] = float(idle)
+        moving = beat.get("moving")
+        extra["moving"] = [str(m) for m in moving] if isinstance(moving, list) else []
+        extra["where"] = str(beat.get("where", ""))
+        # In one of the library's own waits (elastic recovery, an admission): bounded by
+        # the library, not judged by progress.
+        extra["inside"] = bool(beat.get("inside")) or state.get("phase") == RECOVERY_PHASE
+    if beat.get("section_left") is not None:
+        # Seconds left in its section's budget now: what it published with that heartbeat,
+        # less the time since this process saw that heartbeat (a relative duration: the
+        # peers' clocks are never compared).
+        since = _clock.monotonic() - seen
+        extra["busy_left"] = max(0.0, _number(beat["section_left"]) - since)
+    return extra
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float (a published field), 0.0 if it is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value) if abs(float(value)) < float("inf") else 0.0

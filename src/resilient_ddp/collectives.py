@@ -27,9 +27,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -43,7 +42,7 @@ from ._backend import comm_device
 from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
 from ._runtime import PendingOp
 from ._wire import dumps, loads
-from .config import SHORTEST_TIMEOUT, RetryPolicy
+from .config import SHORTEST_TIMEOUT, RetryPolicy, duration_seconds
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -77,43 +76,14 @@ class _TransientError(Exception):
     """An attempt failed with every rank alive and arrived: a group retry may fix it."""
 
 
-_MAX_SECONDS = timedelta.max.total_seconds()  # longer: no timedelta (nor deadline) holds it
-
-
 def _seconds(name: str, value: Duration, default: timedelta) -> float:
-    """``value`` (a timedelta, or seconds as a real number) in seconds; ``default`` when
-    ``None``.
+    """``value`` in seconds (``default`` when ``None``): see :func:`config.duration_seconds`.
 
     Raises:
         ConfigError: ``value`` is of another type (a string, a bool), not a finite number
-            (NaN, infinity, too large for a timedelta), not positive, or below 2 ms.
+            (NaN, infinity), not positive, below 2 ms or over 365 days.
     """
-    if value is None:
-        return default.total_seconds()
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int beyond a float's range
-            seconds = math.inf
-    else:
-        raise ConfigError(
-            f"The {name} should be a timedelta or a number of seconds, "
-            f"got {type(value).__name__} {value!r}."
-        )
-    if math.isnan(seconds):
-        raise ConfigError(f"The {name} ({value}) is not a number.")
-    if seconds <= 0:
-        raise ConfigError(f"The {name} ({value}) must be positive.")
-    if seconds > _MAX_SECONDS:
-        raise ConfigError(
-            f"The {name} ({value}) must be finite and at most {timedelta.max} "
-            f"({_MAX_SECONDS:.0f} s)."
-        )
-    if seconds < _MIN_SLICE_S:
-        raise ConfigError(f"The {name} ({value}) must be at least {_MIN_SLICE_S * 1000:.0f} ms.")
-    return seconds
+    return duration_seconds(name, value, default)
 
 
 RetryArg = int | RetryPolicy | tenacity.Retrying | None
@@ -1057,8 +1027,10 @@ def broadcast(
 ) -> torch.Tensor:
     """Broadcast ``tensor`` from ``src`` in place, bounded in time, and return it.
 
-    Args and Raises: as :func:`all_reduce`; ``src`` is the global rank that sends.
+    Args and Raises: as :func:`all_reduce`; ``src`` is the global rank that sends (not a
+    rank of the group: ``ConfigError`` on every rank, before any communication).
     """
+    _check_peer("src", src, group)
     o = _call_op("broadcast", group, timeout, budget, retry, validate)
 
     def body() -> torch.Tensor:
@@ -1174,16 +1146,20 @@ def all_gather_object(
     Returns:
         One object per rank, in rank order.
 
-    Raises: as :func:`all_reduce`.
+    Raises: as :func:`all_reduce`, and ``CollectiveMismatchError`` on every rank at once
+    when a rank could not pickle its object (naming it and its pickling error, which is
+    the ``__cause__`` on that rank).
     """
     o = _call_op("all_gather_object", group, timeout, budget, retry, validate)
-    payload = dumps(obj)
+    payload, failed = _pickled(obj)
 
     def body() -> list[Any]:
         parts = _gather_uneven(o, payload)
         return [loads(p) for p in parts]
 
-    return o.run(body, signature=lambda: op_signature("all_gather_object"))
+    objs = o.run(body, signature=lambda: op_signature("all_gather_object"))
+    _raise_if_unpicklable(o, dict(enumerate(objs)), failed)
+    return objs
 
 
 def broadcast_object(
@@ -1205,12 +1181,18 @@ def broadcast_object(
     Returns:
         ``src``'s object, on every rank.
 
-    Raises: as :func:`all_reduce`.
+    Raises: as :func:`broadcast`, and ``CollectiveMismatchError`` on every rank at once
+    when ``src`` could not pickle ``obj``.
     """
+    _check_peer("src", src, group)
     o = _call_op("broadcast_object", group, timeout, budget, retry, validate)
     device = comm_device(group)
     is_src = dist.get_rank() == src
-    payload = dumps(obj).to(device) if is_src else None
+    failed: BaseException | None = None
+    payload = None
+    if is_src:
+        pickled, failed = _pickled(obj)
+        payload = pickled.to(device)
 
     def body() -> Any:
         size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
@@ -1221,6 +1203,63 @@ def broadcast_object(
             else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         )
         o.wait(dist.broadcast(buf, src, group=o.group, async_op=True), cuda=buf.is_cuda)
-        return obj if is_src else loads(buf)
+        if is_src:
+            return obj if failed is None else _Unpicklable(failed)
+        return loads(buf)
 
-    return o.run(body, signature=lambda: op_signature("broadcast_object", src=src))
+    got = o.run(body, signature=lambda: op_signature("broadcast_object", src=src))
+    _raise_if_unpicklable(o, {src: got}, failed)
+    return got
+
+
+class _Unpicklable:
+    """Sent in place of an object its rank could not pickle, so that every rank of the
+    collective learns it at once (instead of the others waiting for the op timeout)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = f"{type(error).__name__}: {error}"
+
+
+def _pickled(obj: Any) -> tuple[torch.Tensor, BaseException | None]:
+    """``obj`` pickled, or an :class:`_Unpicklable` marker and the pickling error."""
+    try:
+        return dumps(obj), None
+    except Exception as e:  # noqa: BLE001 - any pickling error (AttributeError, TypeError...)
+        return dumps(_Unpicklable(e)), e
+
+
+def _raise_if_unpicklable(o: Op, objs: Mapping[int, Any], mine: BaseException | None) -> None:
+    """Raise on every rank when a rank sent :class:`_Unpicklable` (after the op completed).
+
+    Raises:
+        CollectiveMismatchError: Names the ranks whose object could not be pickled and
+            their errors; on the rank that failed, its own error is the ``__cause__``.
+    """
+    bad = {r: x.error for r, x in objs.items() if isinstance(x, _Unpicklable)}
+    if not bad:
+        return
+    said = "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items()))
+    error = CollectiveMismatchError(
+        f"{o.name}#{o.seq}: rank(s) {sorted(bad)} could not pickle their object ({said})",
+        table={r: {"object": f"could not be pickled: {e}"} for r, e in bad.items()},
+        ranks=sorted(bad),
+        op=o.name,
+        seq=o.seq,
+    )
+    raise error from mine
+
+
+def _check_peer(name: str, rank: Any, group: dist.ProcessGroup | None) -> None:
+    """Check a ``src``/``dst`` argument before any communication.
+
+    Raises:
+        ConfigError: ``rank`` is not an int, or not a global rank of ``group``.
+    """
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in ranks:
+        valid = (
+            f"0 to {len(ranks) - 1}"
+            if ranks == list(range(len(ranks)))
+            else f"one of {sorted(ranks)}"
+        )
+        raise ConfigError(f"{name}={rank!r} is not a rank of the group: expected {valid}.")

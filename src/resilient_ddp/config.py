@@ -18,6 +18,8 @@ starts up a rank, never at import.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
 from collections.abc import Mapping
@@ -37,6 +39,9 @@ _UNIT_SECONDS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3
 
 # c10d reads a timeout that rounds down to 0 ms as "no timeout at all"; keep a margin.
 SHORTEST_TIMEOUT = timedelta(milliseconds=2)
+# Longer is a mistake (a unit slip: "1e9h"), not a budget: no training job waits a year.
+LONGEST_TIMEOUT = timedelta(days=365)
+_MS = timedelta(milliseconds=1)
 
 
 def _positive(name: str, value: timedelta) -> timedelta:
@@ -44,7 +49,78 @@ def _positive(name: str, value: timedelta) -> timedelta:
         raise ValueError(f"The {name} ({value}) must be positive.")
     if value < SHORTEST_TIMEOUT:
         raise ValueError(f"The {name} ({value}) must be at least 2 ms.")
+    if value > LONGEST_TIMEOUT:
+        raise ValueError(f"The {name} ({value}) must be at most {LONGEST_TIMEOUT.days} days.")
     return value
+
+
+def _duration_input(name: str, value: Any) -> Any:
+    """A config duration as given in code: a timedelta or a real number of seconds, never
+    a string or a bool (pydantic would read ``"5"`` as an ISO duration, ``True`` as 1 s)."""
+    if value is None or isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"The {name} should be a timedelta or a number of seconds, "
+            f"got {type(value).__name__} {value!r}."
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"The {name} ({value}) must be a finite number of seconds.")
+    if abs(value) > LONGEST_TIMEOUT.total_seconds():  # ints beyond a float included
+        raise ValueError(f"The {name} ({value} s) must be at most {LONGEST_TIMEOUT.days} days.")
+    return value
+
+
+_DURATION_FIELDS = (
+    "op_timeout",
+    "op_budget",
+    "stuck_window",
+    "busy_timeout",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "store_timeout",
+    "init_timeout",
+    "diagnosis_timeout",
+    "straggler_interval",
+    "join_startup_timeout",
+)
+
+
+def duration_seconds(name: str, value: Any, default: timedelta | None = None) -> float:
+    """``value`` (a timedelta, or seconds as a real number) in seconds; ``default`` when
+    ``None``.
+
+    Raises:
+        ConfigError: ``value`` is of another type (a string, a bool, or ``None`` without a
+            default), not a number (NaN), not positive, below 2 ms, or over 365 days
+            (``LONGEST_TIMEOUT``; infinities and ints beyond a float included).
+    """
+    if value is None and default is not None:
+        return default.total_seconds()
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond a float's range
+            seconds = math.inf
+    else:
+        raise ConfigError(
+            f"The {name} should be a timedelta or a number of seconds, "
+            f"got {type(value).__name__} {value!r}."
+        )
+    if math.isnan(seconds):
+        raise ConfigError(f"The {name} ({value}) is not a number.")
+    if seconds <= 0:
+        raise ConfigError(f"The {name} ({value}) must be positive.")
+    if seconds > LONGEST_TIMEOUT.total_seconds():
+        raise ConfigError(
+            f"The {name} ({value}) must be finite and at most {LONGEST_TIMEOUT.days} days "
+            f"({LONGEST_TIMEOUT.total_seconds():.0f} s)."
+        )
+    if seconds < SHORTEST_TIMEOUT.total_seconds():
+        raise ConfigError(f"The {name} ({value}) must be at least {SHORTEST_TIMEOUT // _MS} ms.")
+    return seconds
 
 
 class _Model(BaseModel):
@@ -76,11 +152,20 @@ class RetryPolicy(_Model):
     backoff: timedelta = timedelta(milliseconds=100)
     max_backoff: timedelta = timedelta(seconds=2)
 
+    @field_validator("backoff", "max_backoff", mode="before")
+    @classmethod
+    def _check_duration_type(cls, v: Any, info: Any) -> Any:
+        return _duration_input(info.field_name, v)
+
     @field_validator("backoff", "max_backoff")
     @classmethod
     def _non_negative(cls, v: timedelta, info: Any) -> timedelta:
         if v < timedelta(0):
             raise ValueError(f"The {info.field_name} ({v}) must not be negative.")
+        if v > LONGEST_TIMEOUT:
+            raise ValueError(
+                f"The {info.field_name} ({v}) must be at most {LONGEST_TIMEOUT.days} days."
+            )
         return v
 
 
@@ -166,22 +251,15 @@ class ResilienceConfig(_Model):
     join_startup_timeout: timedelta = timedelta(seconds=60)
     event_log: str | None = None
 
-    @field_validator(
-        "op_timeout",
-        "op_budget",
-        "stuck_window",
-        "busy_timeout",
-        "heartbeat_interval",
-        "heartbeat_timeout",
-        "store_timeout",
-        "init_timeout",
-        "diagnosis_timeout",
-        "straggler_interval",
-        "join_startup_timeout",
-    )
+    @field_validator(*_DURATION_FIELDS)
     @classmethod
     def _check_positive(cls, v: timedelta | None, info: Any) -> timedelta | None:
         return None if v is None else _positive(info.field_name, v)
+
+    @field_validator(*_DURATION_FIELDS, mode="before")
+    @classmethod
+    def _check_duration_type(cls, v: Any, info: Any) -> Any:
+        return _duration_input(info.field_name, v)
 
     @model_validator(mode="after")
     def _check_relations(self) -> ResilienceConfig:
@@ -335,12 +413,16 @@ def parse_duration(raw: str) -> timedelta:
     """Parse ``"0.5"``, ``"500ms"``, ``"30s"``, ``"2m"`` or ``"1h"`` into a timedelta.
 
     Raises:
-        ValueError: The text is not a non-negative number with an optional unit.
+        ValueError: The text is not a non-negative number with an optional unit, or it is
+            longer than ``LONGEST_TIMEOUT`` (365 days; ``1e400`` and ``1e20`` included).
     """
     m = _DURATION_RE.match(raw)
     if not m:
         raise ValueError("expected a duration: seconds as a number, or with a unit ms/s/m/h")
-    return timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
+    seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    if not seconds <= LONGEST_TIMEOUT.total_seconds():  # also catches inf ("1e400")
+        raise ValueError(f"expected a duration of at most {LONGEST_TIMEOUT.days} days")
+    return timedelta(seconds=seconds)
 
 
 def _format_validation_error(e: ValidationError) -> str:

@@ -176,7 +176,6 @@ class ResilientDDP(DistributedDataParallel):
         resilience: ResilienceConfig | None = None,
         **kwargs: Any,
     ) -> None:
-        rt = ensure_runtime(resilience)
         if not any(p.requires_grad for p in module.parameters()):
             # DDP raises a bare RuntimeError here; a bad argument is a ConfigError.
             raise ConfigError(
@@ -184,6 +183,7 @@ class ResilientDDP(DistributedDataParallel):
                 f"that requires a gradient; {type(module).__name__} has none (run a module "
                 f"that does not train without the wrapper, e.g. with rd.distributed_inference)."
             )
+        rt = ensure_runtime(resilience)
         # Fields given in code win; RESILIENT_DDP_* variables fill in the others.
         self._rd_config = resolve(resilience) if resilience is not None else rt.config
         group = kwargs.get("process_group")
@@ -203,14 +203,47 @@ class ResilientDDP(DistributedDataParallel):
             el.pending_optim = received.pop("optim", None)
         else:
             _check_agreement(rt, self._rd_config, module, args, kwargs, group)
+        # DDP's initial sync (a shape check, then rank 0's parameters and buffers
+        # broadcast) runs over the process group directly: a rank that died there left the
+        # others with a raw gloo error naming nobody, or waiting without end. The shapes
+        # were just checked (_check_agreement); the state goes through our bounded
+        # broadcast below, which names a rank that fails.
+        own_sync = bool(kwargs.get("init_sync", True))
+        kwargs["init_sync"] = False
         # Buffers are broadcast in forward by our bounded broadcast (see
         # _default_broadcast_coalesced), so DDP keeps its own switch.
         super().__init__(module, *args, **kwargs)
+        if own_sync:
+            self._rd_sync_initial_state(buffers=kwargs.get("forward_sync_buffers") is not None)
         self.compute_times: list[float] = []
         self._rd_steps = 0  # steps completed (see "Steps" in the class docstring)
         self._rd_init_local_state()
         if rt.step < 0:
             rt.step = self._rd_step_count(rt)
+
+    def _rd_sync_initial_state(self, *, buffers: bool) -> None:
+        """DDP's initial sync, bounded: the parameters (and buffers, when DDP syncs them
+        at construction) of the group's first rank, sent to every rank by
+        :func:`broadcast`, one op per dtype.
+
+        Args:
+            buffers: Buffers are synced whatever ``broadcast_buffers`` says (DDP does so
+                when ``forward_sync_buffers`` is given).
+
+        Raises:
+            RankFailureError: A rank failed meanwhile (the ranks that failed are named).
+            CollectiveTimeoutError: A rank did not take part within the op's budget.
+        """
+        ignore = self.parameters_to_ignore
+        states = [p.detach() for n, p in self.module.named_parameters() if n not in ignore]
+        sync_buffers = getattr(
+            self, "forward_sync_buffers", getattr(self, "broadcast_buffers", True)
+        )
+        if buffers or sync_buffers:
+            states += [b.detach() for n, b in self.module.named_buffers() if n not in ignore]
+        group = self._rd_group
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        self._default_broadcast_coalesced(states, authoritative_rank=src)
 
     def _rd_init_local_state(self) -> None:
         """Set up what belongs to this process and to the reducer rather than to the model
