@@ -26,8 +26,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from . import _clock, _events
 from . import _control as ctl
-from . import _events
 from ._runtime import Runtime, qualname, with_board
 from .errors import ControlPlaneError, Culprit
 
@@ -195,6 +195,11 @@ class Watchdog(threading.Thread):
         # Each watched rank's last well-formed state: a state overwritten with garbage
         # does not hide that rank's silence.
         self._good_states: dict[int, dict[str, Any]] = {}
+
+    @property
+    def beats(self) -> int:
+        """The heartbeats this watchdog has sent (one a tick): peers count time in them."""
+        return self._beat
 
     def _bounded(self, control: ctl.ControlPlane) -> ctl.ControlPlane:
         """``control`` with its calls bounded by ``heartbeat_timeout``: the calls that
@@ -499,6 +504,7 @@ class Watchdog(threading.Thread):
             self._last_change = {r: (b, t + blind) for r, (b, t) in self._last_change.items()}
         silence: dict[int, float] = {}
         for r, s in states.items():
+            self.rt.note_beat(r, s)  # what the diagnosis judges this rank's silence by
             beat = int(s.get("beat", 0))
             last = self._last_change.get(r)
             if last is None or last[0] != beat:
@@ -639,7 +645,7 @@ class Watchdog(threading.Thread):
             "rank": rank,
             "reporter": self.rt.rank,
             "gen": self.rt.generation,
-            "t": time.time(),
+            "t": _clock.wall(),
             "culprit": culprit,
         }
 
