@@ -902,7 +902,13 @@ def render_inference(data: dict[str, Any]) -> list[str]:
             "`ray.data.range(n).map_batches(fn, batch_size=4)`, default blocks, "
             f"`ray.init(num_cpus=4)`, which took {ray.get('ray_init_s', 0):.1f} s and is not "
             "counted; ours: the call, without the processes' start). The killed worker "
-            "SIGKILLs itself in its first batch past half of the items.",
+            "SIGKILLs itself in its first batch past half of the items."
+            + (
+                f" These Ray figures come from an earlier run, {ray['carried_from']['date']} "
+                f"(`{ray['carried_from']['command']}`): this one had no Ray."
+                if ray.get("carried_from")
+                else ""
+            ),
             "",
             *md_table(
                 ["system", "fault", "wall s", "items/s", "complete", "duplicates"],
