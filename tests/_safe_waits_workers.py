@@ -14,6 +14,7 @@ from torch import nn
 
 import resilient_ddp as rd
 from resilient_ddp import _clock
+from resilient_ddp import ddp as rd_ddp
 
 from ._workers import error_summary
 
@@ -63,18 +64,27 @@ def clock_offset(rank: int, offset_s: float) -> dict[str, Any]:
     return out
 
 
+def _die_in_construction(where: str) -> None:
+    """SIGKILL this process inside ``rd.ResilientDDP(...)``: ``"sync"``: after the
+    agreement check, just before DDP's initial sync (its shape check and state broadcast),
+    which the others then run without it; ``"agreement"``: before the agreement check."""
+
+    def die(*args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "sync":
+        torch.nn.parallel.DistributedDataParallel._build_params_for_reducer = die  # type: ignore[method-assign]
+    else:
+        rd_ddp._check_agreement = die
+
+
 def killed_in_construction(rank: int) -> dict[str, Any]:
-    """Rank 2 is SIGKILLed inside ``rd.ResilientDDP(...)``, after the agreement check,
-    just before DDP's initial sync (its shape check and state broadcast), which the others
-    run without it."""
+    """Rank 2 is SIGKILLed inside ``rd.ResilientDDP(...)``, just before DDP's initial
+    sync, which the others run without it."""
     _init()
     model = nn.Linear(8, 4)
     if rank == 2:
-
-        def die(self: Any) -> Any:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        torch.nn.parallel.DistributedDataParallel._build_params_for_reducer = die  # type: ignore[method-assign]
+        _die_in_construction("sync")
     t0 = time.monotonic()
     try:
         # A survivor whose part of the broadcast did not need rank 2 completes the
@@ -86,3 +96,27 @@ def killed_in_construction(rank: int) -> dict[str, Any]:
         return error_summary(e, t0)
     finally:
         rd.destroy_process_group()
+
+
+def killed_in_construction_shrink(rank: int, init_timeout_s: float, where: str) -> dict[str, Any]:
+    """Rank 2 is SIGKILLed inside ``rd.ResilientDDP(...)`` (see :func:`_die_in_construction`)
+    with ``on_failure="shrink"``, under a launcher that replaces the killed process once
+    (``restarts=1``): the replacement asks to join."""
+    faulthandler.dump_traceback_later(50, exit=True)
+    joiner = os.environ.get("RESILIENT_DDP_JOINER") == "1"
+    t0 = time.monotonic()
+    cfg = {**CFG, "on_failure": "shrink", "init_timeout": init_timeout_s}
+    try:
+        rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
+        model = nn.Linear(8, 4)
+        if rank == 2 and not joiner:
+            _die_in_construction(where)
+        ddp = rd.ResilientDDP(model)
+        for _ in range(3):
+            ddp(torch.ones(2, 8)).sum().backward()
+        return {"type": "no error", "joiner": joiner, "elapsed": time.monotonic() - t0}
+    except Exception as e:  # noqa: BLE001 - the test asserts which type it is
+        return {**error_summary(e, t0), "joiner": joiner}
+    finally:
+        if rd.is_initialized():
+            rd.destroy_process_group()

@@ -54,3 +54,32 @@ def test_a_rank_killed_in_construction_is_named() -> None:
         assert v["type"] == "RankFailureError", (r, v)
         assert v["ranks"] == [2], (r, v)
         assert v["elapsed"] < w.CFG["heartbeat_timeout"] + 2.0, (r, v)
+
+
+def test_a_replacement_does_not_wait_for_a_job_that_failed_in_construction() -> None:
+    """on_failure="shrink", rd.spawn's restarts=1: rank 2 dies before the construction's
+    agreement check, so both others fail inside ResilientDDP(...) (no recovery there).
+    Its replacement gives up at once, with a PreflightError saying why."""
+    # init_timeout past the test's deadline: a replacement that waited it out fails here.
+    init_timeout = 100.0
+    outcomes = run_ranks(
+        w.killed_in_construction_shrink,
+        3,
+        (init_timeout, "agreement"),
+        timeout=DEADLINE,
+        grace=timedelta(seconds=20),  # the replacement's start-up (imports) on a busy machine
+        restarts=1,
+    )
+    values = _values(outcomes, [0, 1, 2])
+    for r in (0, 1):
+        v = values[r]
+        assert not v["joiner"], (r, v)
+        assert v["type"] == "RankFailureError", (r, v)
+        assert v["ranks"] == [2], (r, v)
+        assert v["elapsed"] < w.CFG["heartbeat_timeout"] + 5.0, (r, v)
+    joiner = values[2]
+    assert joiner["joiner"], joiner
+    assert joiner["type"] == "PreflightError", joiner
+    assert "failed before admitting it" in joiner["message"], joiner
+    assert joiner["elapsed"] < 10.0, joiner
+    assert len(outcomes[2].previous) == 1, format_outcomes(outcomes)  # the killed one

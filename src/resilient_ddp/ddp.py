@@ -195,26 +195,39 @@ class ResilientDDP(DistributedDataParallel):
             )
         self._rd_args, self._rd_kwargs = args, dict(kwargs)
         received = el.received if el is not None else None
+        joiner = False
         if el is not None and received is not None and "model" in received:
+            joiner = True
             # A joiner: the members sent their state when they admitted it; they do not
             # take part in construction-time checks or DDP's initial broadcast.
             module.load_state_dict(received.pop("model"))
             kwargs["init_sync"] = False
             el.pending_optim = received.pop("optim", None)
-        else:
-            _check_agreement(rt, self._rd_config, module, args, kwargs, group)
-        # DDP's initial sync (a shape check, then rank 0's parameters and buffers
-        # broadcast) runs over the process group directly: a rank that died there left the
-        # others with a raw gloo error naming nobody, or waiting without end. The shapes
-        # were just checked (_check_agreement); the state goes through our bounded
-        # broadcast below, which names a rank that fails.
-        own_sync = bool(kwargs.get("init_sync", True))
-        kwargs["init_sync"] = False
-        # Buffers are broadcast in forward by our bounded broadcast (see
-        # _default_broadcast_coalesced), so DDP keeps its own switch.
-        super().__init__(module, *args, **kwargs)
-        if own_sync:
-            self._rd_sync_initial_state(buffers=kwargs.get("forward_sync_buffers") is not None)
+        try:
+            if not joiner:
+                _check_agreement(rt, self._rd_config, module, args, kwargs, group)
+            # DDP's initial sync (a shape check, then rank 0's parameters and buffers
+            # broadcast) runs over the process group directly: a rank that died there left
+            # the others with a raw gloo error naming nobody, or waiting without end. The
+            # shapes were just checked (_check_agreement); the state goes through our
+            # bounded broadcast below, which names a rank that fails.
+            own_sync = bool(kwargs.get("init_sync", True))
+            kwargs["init_sync"] = False
+            # Buffers are broadcast in forward by our bounded broadcast (see
+            # _default_broadcast_coalesced), so DDP keeps its own switch.
+            super().__init__(module, *args, **kwargs)
+            if own_sync:
+                self._rd_sync_initial_state(buffers=kwargs.get("forward_sync_buffers") is not None)
+        except RankFailureError as e:
+            if el is not None:
+                # No recovery before training began: the job is over. A replacement
+                # waiting to join (rd.spawn's restarts) gives up at once, saying why,
+                # instead of waiting out init_timeout for an admission nobody makes.
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                elastic._mark_ended(
+                    rt.control_root, el, f"a rank failed while ResilientDDP was built: {first}"
+                )
+            raise
         self.compute_times: list[float] = []
         self._rd_steps = 0  # steps completed (see "Steps" in the class docstring)
         self._rd_init_local_state()
