@@ -13,11 +13,16 @@ outcome.
 
 from __future__ import annotations
 
+import functools
+import threading
+import time
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from resilient_ddp import _clock, _runtime
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _safe_waits_workers as w
@@ -83,3 +88,102 @@ def test_a_replacement_does_not_wait_for_a_job_that_failed_in_construction() -> 
     assert "failed before admitting it" in joiner["message"], joiner
     assert joiner["elapsed"] < 10.0, joiner
     assert len(outcomes[2].previous) == 1, format_outcomes(outcomes)  # the killed one
+
+
+# -- unit tables: what the decisions above are computed from (no process, no store) -------
+class _Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("their_wall_offset", [0.0, 45.0, 3600.0, -3600.0])
+@pytest.mark.parametrize(
+    ("section_left", "seen_ago", "busy_left"),
+    [(10.0, 0.0, 10.0), (10.0, 4.0, 6.0), (10.0, 12.0, 0.0), (0.5, 0.2, 0.3)],
+)
+def test_a_section_budget_is_seconds_left_on_the_observers_clock(
+    monkeypatch: pytest.MonkeyPatch,
+    their_wall_offset: float,
+    section_left: float,
+    seen_ago: float,
+    busy_left: float,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(_clock, "monotonic", clock)
+    beat = {"beat": 7, "t": time.time() + their_wall_offset, "section_left": section_left}
+    extra = _runtime._culprit_extra(beat, beat, silent_s=seen_ago, seen=clock.now - seen_ago)
+    assert extra["busy_left"] == pytest.approx(busy_left)
+    assert extra["state_age"] == pytest.approx(seen_ago)
+    assert "busy_until" not in extra
+
+
+def test_a_heartbeat_is_aged_from_when_this_process_saw_it_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(_clock, "monotonic", clock)
+    rt = SimpleNamespace(generation=0, _beats_seen={}, _beats_lock=threading.Lock())
+    note = functools.partial(_runtime.Runtime.note_beat, rt)
+    age = functools.partial(_runtime.Runtime.beat_age, rt)
+    assert age(1) == 0.0  # never seen
+    # Its wall-clock "t" (an hour off) plays no part: only its beat counter.
+    assert note(1, {"beat": 3, "t": time.time() - 3600}) == 1000.0
+    clock.now += 2.0
+    assert note(1, {"beat": 3, "t": time.time() + 3600}) == 1000.0  # the same beat
+    assert age(1) == pytest.approx(2.0)
+    clock.now += 1.0
+    assert note(1, {"beat": 4, "t": 0.0}) == 1003.0  # it changed: fresh again
+    assert age(1) == 0.0
+    clock.now += 5.0
+    assert age(1) == pytest.approx(5.0)
+    rt.generation = 1  # a new generation's rank 1 is another process
+    assert age(1) == 0.0
+
+
+class _States:
+    def __init__(self, states: dict[int, Any]) -> None:
+        self.states = states
+
+    def read_states(self, ranks: list[int]) -> dict[int, Any]:
+        return {r: self.states[r] for r in ranks if r in self.states}
+
+
+@pytest.mark.parametrize(
+    ("verdict", "author_state", "stale"),
+    [
+        ({"by": 0, "beat": 10}, {"beat": 10}, False),
+        ({"by": 0, "beat": 10}, {"beat": 15}, False),  # 2.5 s later (0.5 s beats)
+        ({"by": 0, "beat": 10}, {"beat": 16}, False),  # 3 s: heartbeat_timeout itself
+        ({"by": 0, "beat": 10}, {"beat": 17}, True),  # 3.5 s: older than heartbeat_timeout
+        ({"by": 0, "beat": 10}, {"beat": -1}, False),  # it left since (beat -1)
+        ({"by": 0}, {"beat": 10}, True),  # no beat (no watchdog): diagnose here
+        ({"by": 0, "beat": "x"}, {"beat": 10}, True),  # garbage
+        ({"by": 0, "beat": 10}, None, True),  # its state is gone
+        ({"by": "0", "beat": 10}, {"beat": 10}, True),
+    ],
+)
+def test_a_shared_verdict_is_aged_in_its_authors_heartbeats(
+    verdict: dict[str, Any], author_state: dict[str, Any] | None, stale: bool
+) -> None:
+    from resilient_ddp import ResilienceConfig
+
+    cfg = ResilienceConfig(heartbeat_interval=0.5, heartbeat_timeout=3)
+    rt = SimpleNamespace(config=cfg)
+    control = _States({} if author_state is None else {0: author_state})
+    verdict = {**verdict, "t": time.time() + 3600}  # its wall clock plays no part
+    assert _runtime.Runtime._verdict_stale(rt, control, verdict) is stale  # type: ignore[arg-type]
+
+
+def test_the_wall_clock_offset_moves_wall_only() -> None:
+    try:
+        _clock.set_wall_offset(3600.0)
+        assert _clock.wall() - time.time() == pytest.approx(3600.0, abs=1.0)
+        assert abs(_clock.monotonic() - time.monotonic()) < 1.0
+    finally:
+        _clock.set_wall_offset(0.0)
+    assert _clock.wall() == pytest.approx(time.time(), abs=1.0)
