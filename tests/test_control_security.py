@@ -363,3 +363,21 @@ def test_a_ranks_last_state_is_never_taken_for_a_replay() -> None:
     assert reader.read_states([1])[1]["beat"] == 9
     rank1.publish_state(1, {"beat": -1, "status": "left"})
     assert reader.read_states([1])[1]["status"] == "left"
+
+
+def test_two_threads_reading_heartbeats_never_see_a_replay() -> None:
+    """The watchdog, the main thread's diagnosis and inference's collector read states
+    through one ControlPlane: a read sent before a newer one was parsed is not a replay
+    (a live rank's heartbeat was reported replayed, with no attacker, after a kill)."""
+    root = ctl.root_prefix(dist.HashStore(), "job", SECRET)
+    rank1, reader = ctl.ControlPlane(root, 0), ctl.ControlPlane(root, 0)
+    rank1.publish_state(1, {"beat": 5, "status": "running"})
+    slow_before = reader._beats_before()  # thread A sends its read...
+    slow_raw = reader.store.multi_get(["state/1"])  # ...and gets beat 5
+    rank1.publish_state(1, {"beat": 6, "status": "running"})
+    assert reader.read_states([1])[1]["beat"] == 6  # thread B: sent later, parsed first
+    rejected = dict(ctl.rejected_records())
+    got = reader._parse(["state/1"], [1], slow_raw, slow_before)  # thread A parses now
+    assert got[1]["beat"] == 5
+    assert dict(ctl.rejected_records()) == rejected  # nothing counted as a replay
+    assert reader.read_states([1])[1]["beat"] == 6  # and the newest stands

@@ -79,8 +79,9 @@ import os
 import secrets
 import socket
 import stat as stat_mod
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -584,8 +585,10 @@ class ControlPlane:
         self.store: dist.Store = dist.PrefixStore(f"g{generation}", root)
         self.key = mac_key(root)
         # Replays: the highest beat read of each rank (a heartbeat whose beat is lower is
-        # an old record written back: ignored).
+        # an old record written back: ignored). Threads share it (the watchdog, the main
+        # thread's diagnosis, inference's collector): see _parse.
         self._beats: dict[int, int] = {}
+        self._beats_lock = threading.Lock()
         # The event log, read incrementally (see read_events).
         self._log = _LogReader(self.key, self._name("ev/log"))
         self._nudge = 0  # see poll
@@ -672,8 +675,9 @@ class ControlPlane:
         which elastic training creates; -1 without)."""
         g = f"g{self.generation}"
         keys = [f"{g}/ev/n", f"{g}/diag"] + [f"{g}/state/{r}" for r in watched]
+        before = self._beats_before()
         raw = self._call(self.root.multi_get, keys + (["join/n"] if joins else []))
-        states = self._parse(keys[2:], watched, raw[2 : 2 + len(watched)], prefixed=True)
+        states = self._parse(keys[2:], watched, raw[2 : 2 + len(watched)], before, prefixed=True)
         events = _number(raw[0], keys[0])
         if events is None or self._log.behind:
             # The counter holds data the job did not write, or the last read of the log
@@ -804,17 +808,29 @@ class ControlPlane:
     ) -> dict[int, dict[str, Any]]:
         if not keys:
             return {}
+        before = self._beats_before()
         raw = self._call(self.store.multi_get, list(keys))
-        return self._parse(keys, ranks, raw)
+        return self._parse(keys, ranks, raw, before)
+
+    def _beats_before(self) -> dict[int, int]:
+        """The highest beats read so far, taken before a read is sent (see :meth:`_parse`)."""
+        with self._beats_lock:
+            return dict(self._beats)
 
     def _parse(
         self,
         keys: Sequence[str],
         ranks: Sequence[int],
         raw: Sequence[bytes],
+        before: Mapping[int, int],
         *,
         prefixed: bool = False,
     ) -> dict[int, dict[str, Any]]:
+        """Unseal the states read; drop a heartbeat older than one read before this read
+        was sent (``before``): the store answers in order, so only a record written back
+        can be older. (Compared with the newest read by the time this one is parsed, a
+        read of another thread that was sent later but parsed first made a live rank's
+        heartbeat look replayed.)"""
         out = {}
         for key, r, v in zip(keys, ranks, raw, strict=True):
             name = key if prefixed else self._name(key)
@@ -824,10 +840,11 @@ class ControlPlane:
             beat = rec.get("beat")
             # A rank's last state (left, failed) has beat -1: it is never older than one read.
             if "/state/" in name and isinstance(beat, int) and beat >= 0:
-                if beat < self._beats.get(r, beat):
+                if beat < before.get(r, beat):
                     _note_rejected(name, "an older heartbeat written back (a replay)")
                     continue
-                self._beats[r] = beat
+                with self._beats_lock:
+                    self._beats[r] = max(beat, self._beats.get(r, beat))
             out[r] = rec
         return out
 
