@@ -77,7 +77,7 @@ def docs(session: nox.Session) -> None:
 def benchmarks(session: nox.Session) -> None:
     """Run every benchmark and regenerate docs/benchmarks.md and the figures in docs/img/.
 
-    About 9 minutes on a 2-core machine; run nothing else meanwhile. Extra arguments go to
+    About 12 minutes on a 2-core machine; run nothing else meanwhile. Extra arguments go to
     ``benchmarks/run_all.py``: ``-- --quick`` (smoke test, written under
     benchmarks/results/quick/), ``-- --docs-only`` (render the page and redraw the figures
     from the recorded results), ``-- --only detection``.
