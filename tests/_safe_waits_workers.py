@@ -120,3 +120,35 @@ def killed_in_construction_shrink(rank: int, init_timeout_s: float, where: str) 
     finally:
         if rd.is_initialized():
             rd.destroy_process_group()
+
+
+def construction_sync(rank: int, bucket_bytes: int) -> dict[str, Any]:
+    """Each rank starts with its own weights and buffers; after ``rd.ResilientDDP(...)``
+    every rank holds rank 0's (DDP's initial sync, in buckets of ``bucket_bytes``)."""
+    _init()
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(rank + 1))
+    sync, send = (
+        rd.ResilientDDP._rd_sync_initial_state,
+        rd.ResilientDDP._default_broadcast_coalesced,
+    )
+    sends = []
+
+    def small_buckets(self: Any, **kwargs: Any) -> None:
+        self.broadcast_bucket_size = bucket_bytes
+        sync(self, **kwargs)
+
+    def counted(self: Any, bufs: Any = None, *args: Any, **kwargs: Any) -> None:
+        sends.append(len(bufs or ()))
+        send(self, bufs, *args, **kwargs)
+
+    rd.ResilientDDP._rd_sync_initial_state = small_buckets  # type: ignore[method-assign]
+    rd.ResilientDDP._default_broadcast_coalesced = counted  # type: ignore[method-assign]
+    try:
+        ddp = rd.ResilientDDP(model)
+        state = {k: v.tolist() for k, v in ddp.module.state_dict().items()}
+        return {"state": state, "sends": sends}
+    finally:
+        rd.destroy_process_group()

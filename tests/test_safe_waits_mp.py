@@ -187,3 +187,16 @@ def test_the_wall_clock_offset_moves_wall_only() -> None:
     finally:
         _clock.set_wall_offset(0.0)
     assert _clock.wall() == pytest.approx(time.time(), abs=1.0)
+
+
+@pytest.mark.parametrize("bucket_bytes", [250 * 1024 * 1024, 40])
+def test_construction_gives_every_rank_rank_0s_state(bucket_bytes: int) -> None:
+    outcomes = run_ranks(w.construction_sync, 2, (bucket_bytes,), timeout=DEADLINE)
+    values = _values(outcomes, [0, 1])
+    assert values[0]["state"] == values[1]["state"]
+    assert values[1]["state"]["1.running_mean"] == [1.0] * 4  # rank 0's buffer
+    # Every parameter and buffer sent once: in one bucket, or in several of at most
+    # 40 bytes each (a tensor over that alone).
+    sends, n = values[0]["sends"], len(values[0]["state"])
+    assert sum(sends) == n, sends
+    assert sends == [n] if bucket_bytes > 1000 else len(sends) >= 4, sends

@@ -1965,9 +1965,12 @@ def _culprit_extra(
     """What a diagnosis adds to a late rank's culprit from its last heartbeat ``beat``
     (``state``: its state as judged), ``silent_s`` seconds old by this process's clock
     and first seen at ``seen`` (this process's monotonic clock)."""
-    # Its heartbeat's age by this process's clock (the one culprit_from would compute
-    # compares its wall-clock "t" with this host's).
-    extra: dict[str, Any] = {"state_age": round(silent_s, 3)}
+    extra: dict[str, Any] = {}
+    if not state.get("board"):
+        # Its heartbeat's age by this process's clock (the one culprit_from would compute
+        # compares its wall-clock "t" with this host's). A board (a stopped rank on this
+        # host) is read now: culprit_from's age of it stands.
+        extra["state_age"] = round(silent_s, 3)
     idle = beat.get("idle")
     if isinstance(idle, (int, float)) and not isinstance(idle, bool):
         # Busy or stuck (see Op._stuck): seconds since its progress signals last moved,

@@ -237,7 +237,7 @@ class ResilientDDP(DistributedDataParallel):
     def _rd_sync_initial_state(self, *, buffers: bool) -> None:
         """DDP's initial sync, bounded: the parameters (and buffers, when DDP syncs them
         at construction) of the group's first rank, sent to every rank by
-        :func:`broadcast`, one op per dtype.
+        :func:`broadcast`, one op per dtype and bucket (``broadcast_bucket_size``).
 
         Args:
             buffers: Buffers are synced whatever ``broadcast_buffers`` says (DDP does so
@@ -256,7 +256,19 @@ class ResilientDDP(DistributedDataParallel):
             states += [b.detach() for n, b in self.module.named_buffers() if n not in ignore]
         group = self._rd_group
         src = 0 if group is None else dist.get_global_rank(group, 0)
-        self._default_broadcast_coalesced(states, authoritative_rank=src)
+        # In buckets of DDP's broadcast_bucket_size, as DDP does: a flat copy of a whole
+        # large model would double its memory for a moment.
+        limit = max(1, int(self.broadcast_bucket_size))
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in states:
+            if bucket and size + t.numel() * t.element_size() > limit:
+                self._default_broadcast_coalesced(bucket, authoritative_rank=src)
+                bucket, size = [], 0
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+        if bucket:
+            self._default_broadcast_coalesced(bucket, authoritative_rank=src)
 
     def _rd_init_local_state(self) -> None:
         """Set up what belongs to this process and to the reducer rather than to the model
