@@ -78,9 +78,10 @@ PARETO_CAP = 64.0  # times the minimum (max_new_tokens)
 MEM_WORLD = 3
 MEM_ROW = 65536  # float32 values per result: 256 KiB
 MEM_BATCH = 8
-# 16 results of 256 KiB: 4 MiB a delivery. The default chunk here (40 items, 10 MiB) is
-# refused by the store (libuv TCPStore: "Invalid payload size ... max: 8388608"), which
-# drops the connection: every rank then raises ControlPlaneError (found by this benchmark).
+# 16 results of 256 KiB: 4 MiB a delivery, one store value (kept so the numbers compare
+# with earlier runs). The default chunk here (40 items, 10 MiB) travels in 4 MiB parts;
+# before that fix the libuv TCPStore refused it ("Invalid payload size ... max: 8388608")
+# and every rank raised ControlPlaneError (found by this benchmark).
 MEM_CHUNK = 16
 # A short failure detection for the fault runs (the defaults: heartbeat_timeout 15 s).
 FAULT_CONFIG = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0, "op_timeout": 10.0}

@@ -270,6 +270,32 @@ def stream(rank: int, n: int, stop_after: int | None = None) -> Any:
         rd.destroy_process_group()
 
 
+BIG = 64 * 1024  # floats per item in big_results: 256 KiB each
+
+
+def big_results(rank: int, n: int, chunk: int) -> Any:
+    """distributed_inference whose results are 256 KiB an item: a chunk of ``chunk`` items
+    delivers ``chunk / 4`` MiB (over the libuv TCPStore's 8 MiB value limit at 40)."""
+    _init(FAST)
+    try:
+
+        def fn(batch: torch.Tensor) -> torch.Tensor:
+            return batch[:, :1].repeat(1, BIG)  # item i: BIG copies of i
+
+        out = rd.distributed_inference(
+            fn, Numbers(n), batch_size=BATCH, chunk_size=chunk, progress=False
+        )
+        if rank != 0:
+            return {"none": out is None}
+        assert out is not None
+        bad = [i for i in range(n) if not torch.equal(out[i], torch.full((BIG,), float(i)))]
+        s = rd.last_inference_summary()
+        assert s is not None
+        return {"n": len(out), "bad": bad[:10], "per_rank": dict(s.per_rank_items)}
+    finally:
+        rd.destroy_process_group()
+
+
 # -- as a script: torchrun or env:// (rank 0 hosts the store) -------------------------------
 def script_job(rank: int, out: Path, fault: str, attempt: int) -> Any:
     """Rank 1 dies at half the work of attempt 0; with ``output_dir`` (torchrun, where the

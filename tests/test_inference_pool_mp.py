@@ -326,3 +326,18 @@ def test_a_rank_with_another_dataset_is_told_and_the_others_finish() -> None:
     v = outcomes[0].value
     assert v["ok"], report
     assert 2 not in v["summary"]["per_rank"], v["summary"]
+
+
+def test_results_over_the_stores_value_limit_arrive_whole() -> None:
+    # 3 ranks, 120 items of 256 KiB in chunks of 40: each delivery is about 10 MiB, over
+    # the 8 MiB a libuv TCPStore accepts as one value (it used to drop the connection and
+    # every rank raised ControlPlaneError): it travels in parts.
+    outcomes = _run(w.big_results, 3, 120, 40)
+    report = format_outcomes(outcomes)
+    assert all(o.exitcode == 0 for o in outcomes), report
+    v = outcomes[0].value
+    assert v["n"] == 120, report
+    assert v["bad"] == [], report
+    assert sum(v["per_rank"].values()) == 120, v
+    assert outcomes[1].value == {"none": True}, report
+    assert outcomes[2].value == {"none": True}, report

@@ -175,6 +175,152 @@ def test_a_dead_ranks_lease_goes_back_exactly_once_and_a_late_delivery_is_droppe
     assert led.redone == [{"ticket": 1, "chunk": 1, "rank": 1, "why": "rank 1 died", "items": 4}]
 
 
+# -- deliveries over the store's value limit ------------------------------------------------
+class DyingStore(CountingStore):
+    """A CountingStore whose process "dies" (raises) on its ``fail_on``-th multi_set."""
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.fail_on = fail_on
+        self.multi_sets = 0
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.multi_sets += 1
+        if self.multi_sets == self.fail_on:
+            raise ConnectionError("the rank died")
+        super().multi_set(keys, values)
+
+
+def _big(t: int, entry: wp.Entry, rank: int) -> wp.Delivery:
+    """About 10.5 MiB of results: over the libuv TCPStore's 8 MiB value limit."""
+    res = [torch.full((64 * 1024,), float(i)) for i in entry.items]  # 256 KiB each
+    return wp.Delivery(t, rank, entry.items, list(res), compute_s=0.5)
+
+
+def test_a_delivery_over_the_part_size_is_split_and_read_back_exactly() -> None:
+    store = CountingStore()
+    keys, mac = wp.Keys(4), b"k" * 32
+    chunks = wp.plan_chunks(80, 40)  # 2 chunks of 40 items: 10 MiB each
+    led = wp.Ledger(chunks, 2)
+    w = wp.Worker(store, keys, 1, mac)
+    t = w.first()
+    before = len(store.calls)
+    t_next = w.deliver(_big(t, led.entry_of(t), 1))
+    # Still one add and one multi_set: the parts, then the record, then the lease.
+    assert store.calls[before:] == ["add", "multi_set"]
+    assert t_next == 1
+    parts = [k for k in store.data if k.startswith(keys.res(t) + "/")]
+    assert parts == [keys.part(t, k) for k in range(3)]  # 10.5 MiB in 4 MiB parts
+    assert max(len(store.data[k]) for k in parts) <= wp.PART_BYTES
+    assert len(store.data[keys.res(t)]) < 4096  # the record is small
+    assert list(store.data).index(keys.res(t)) > list(store.data).index(parts[-1])
+    before = len(store.calls)
+    d = wp.take(store, keys, mac, t)
+    # Rank 0: get and delete the record, check the parts, then a get and a delete each.
+    assert store.calls[before:] == ["get", "delete_key", "check"] + ["get"] * 3 + ["delete_key"] * 3
+    assert d is not None
+    assert d.results is not None
+    assert (d.ticket, d.rank, d.indices, d.compute_s, d.parts) == (0, 1, chunks[0].items, 0.5, 0)
+    for i, r in zip(d.indices, d.results, strict=True):
+        assert torch.equal(r, torch.full((64 * 1024,), float(i)))
+    assert not [k for k in store.data if k.startswith(keys.res(t))]  # all deleted
+    assert led.accept(d, {0, 1})[0] == list(chunks[0].items)
+    # Under the part size nothing changes: one value, read with one get.
+    small = wp.Delivery(1, 1, (40,), [1])
+    w.deliver(small)
+    assert not [k for k in store.data if k.startswith(keys.res(1) + "/")]
+    before = len(store.calls)
+    assert wp.take(store, keys, mac, 1) == small
+    assert store.calls[before:] == ["get", "delete_key"]
+
+
+def test_parts_over_the_multi_set_bound_go_in_several_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wp, "PART_BYTES", 1 << 20)
+    monkeypatch.setattr(wp, "MULTI_SET_BYTES", 4 << 20)
+    store = CountingStore()
+    keys = wp.Keys(5)
+    w = wp.Worker(store, keys, 0, None)
+    entry = wp.Entry(0, tuple(range(40)))
+    before = len(store.calls)
+    w.deliver(_big(0, entry, 0))  # 10.5 MiB: 11 parts of 1 MiB, 4 per multi_set
+    assert store.calls[before:] == ["add", "multi_set", "multi_set", "multi_set"]
+    d = wp.take(store, keys, None, 0)
+    assert d is not None
+    assert d.indices == entry.items
+    assert d.results is not None
+    assert torch.equal(d.results[39], torch.full((64 * 1024,), 39.0))
+    assert store.data.keys() == {keys.next, keys.lease(0)}
+
+
+def test_a_rank_dying_while_writing_parts_leaves_no_delivery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wp, "PART_BYTES", 1 << 20)
+    monkeypatch.setattr(wp, "MULTI_SET_BYTES", 4 << 20)
+    store = DyingStore(fail_on=2)  # the first 4 parts are written, then the rank dies
+    keys = wp.Keys(6)
+    chunks = wp.plan_chunks(40, 40)  # 1 chunk
+    led = wp.Ledger(chunks, 2)
+    w1, w2 = wp.Worker(store, keys, 1, None), wp.Worker(store, keys, 2, None)
+    t, t2 = w1.first(), w2.first()  # rank 2 holds ticket 1: no work yet, it waits
+    with pytest.raises(ConnectionError):
+        w1.deliver(_big(t, led.entry_of(t), 1))
+    assert keys.part(t, 3) in store.data  # parts are there ...
+    assert keys.res(t) not in store.data  # ... but no record: rank 0 takes nothing
+    # Rank 0 gives the ticket back; rank 2 runs it and delivers it whole.
+    led.requeue(t, "rank 1 died", 1, {0, 2})
+    assert led.entry_of(t2).items == chunks[0].items  # ticket 1: the redo entry
+    w2.deliver(_big(t2, led.entry_of(t2), 2))
+    d = wp.take(store, keys, None, t2)
+    assert d is not None
+    assert led.accept(d, {0, 2})[0] == list(range(40))
+    assert led.finished()
+    # At the end of the call rank 0 deletes what the dead rank left (a prefix of parts).
+    assert wp.sweep_parts(store, keys, t) == 4
+    assert not [k for k in store.data if k.startswith(keys.base + "/res/")]
+
+
+def test_a_tampered_or_incomplete_split_delivery_is_not_taken() -> None:
+    store = CountingStore()
+    keys, mac = wp.Keys(7), b"k" * 32
+    entry = wp.Entry(0, tuple(range(40)))
+    w = wp.Worker(store, keys, 1, mac)
+    w.deliver(_big(0, entry, 1))
+    p1 = store.data[keys.part(0, 1)]
+    store.data[keys.part(0, 1)] = p1[:-1] + bytes([p1[-1] ^ 1])
+    assert wp.take(store, keys, mac, 0) is None  # the digest does not match
+    assert not [k for k in store.data if k.startswith(keys.res(0))]  # deleted anyway
+    w.deliver(_big(0, entry, 1))
+    del store.data[keys.part(0, 2)]
+    assert wp.take(store, keys, mac, 0) is None  # a part missing: not waited for
+    # A record moved to another ticket's key does not pass its seal.
+    w.deliver(_big(0, entry, 1))
+    store.data[keys.res(1)] = store.data.pop(keys.res(0))
+    assert wp.take(store, keys, mac, 1) is None
+
+
+def test_a_late_split_delivery_of_a_redone_chunk_is_dropped() -> None:
+    store = CountingStore()
+    keys = wp.Keys(8)
+    chunks = wp.plan_chunks(40, 40)
+    led = wp.Ledger(chunks, 2)
+    w1, w2 = wp.Worker(store, keys, 1, None), wp.Worker(store, keys, 2, None)
+    t1, t2 = w1.first(), w2.first()
+    led.requeue(t1, "rank 1 hung", 1, {0, 2})  # ticket 1 = the redo entry, rank 2's
+    w2.deliver(_big(t2, led.entry_of(t2), 2))
+    d2 = wp.take(store, keys, None, t2)
+    assert d2 is not None
+    assert led.accept(d2, {0, 2})[0] == list(range(40))
+    w1.deliver(_big(t1, led.entry_of(t1), 1))  # rank 1 resumes, delivers late
+    d1 = wp.take(store, keys, None, t1)
+    assert d1 is not None
+    assert d1.indices == tuple(range(40))
+    assert led.accept(d1, {0, 2}) == ([], [])  # nothing added twice
+    assert not [k for k in store.data if k.startswith(keys.base + "/res/")]
+
+
 def test_a_future_ticket_of_a_rank_given_up_on_is_skipped() -> None:
     chunks = wp.plan_chunks(8, 4)  # 2 chunks: tickets 0, 1
     led = wp.Ledger(chunks, 2)

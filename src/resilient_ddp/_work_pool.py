@@ -21,12 +21,29 @@ Keys of inference call ``c``, under the current generation's prefix (``rd/<job>/
 ``inf/<c>/lease/<r>``  the ticket rank ``r`` holds (its current or next work)
 ``inf/<c>/res/<t>``    ticket ``t``'s delivery: pickled results (or, with ``output_dir``,
                        the name of the file that holds them) and the items that raised;
-                       deleted by rank 0 once read
+                       or, for one over :data:`PART_BYTES`, its record: how many parts
+                       and their SHA-256; deleted by rank 0 once read
+``inf/<c>/res/<t>/<k>`` part ``k`` of ticket ``t``'s delivery when it is split (at most
+                       :data:`PART_BYTES` each); deleted by rank 0 once read
 =====================  ==================================================================
 
 A worker's round trips per chunk: one ``add`` on ``next`` (its next ticket) and one
 ``multi_set`` that delivers the chunk it ran and records its next ticket as its lease.
 Only a worker with nothing left to do (at the very end) and rank 0 poll.
+
+Large deliveries: torch's libuv ``TCPStore`` (the default since torch 2.4) refuses a value
+over 8 MiB; it drops the client's connection, and every rank then sees the store as gone.
+A delivery whose bytes exceed :data:`PART_BYTES` (4 MiB, half that limit, so headers and a
+future lower limit leave room) is therefore cut into parts written under
+``res/<t>/<k>``, and ``res/<t>`` holds a small sealed record naming how many parts there
+are and the SHA-256 of their bytes. The parts are written before the record (in the same
+``multi_set`` when they total at most :data:`MULTI_SET_BYTES`, else in ``multi_set`` calls of
+at most that many bytes, the record and the lease in the last), so a rank that dies while
+writing leaves no record and rank 0 takes nothing: its ticket goes back to the pool as any
+dead rank's does, and rank 0 deletes the parts left behind at the end of the call
+(:func:`sweep_parts`). A split delivery costs the worker ``ceil(bytes / MULTI_SET_BYTES)``
+``multi_set`` calls instead of one, and rank 0 one ``check``, one ``get`` and one
+``delete_key`` per part more.
 """
 
 from __future__ import annotations
@@ -48,6 +65,12 @@ FORMAT_VERSION = 1
 END = 1 << 40  # added to ``redo/n`` when the call is over
 MANIFEST = "manifest.json"
 CHUNKS_PER_RANK = 8  # default chunk size: about this many chunks per rank
+# The libuv TCPStore refuses a value over 8 MiB (and drops the connection): deliveries over
+# PART_BYTES are split into parts (see the module's docstring).
+PART_BYTES = 4 << 20
+# Parts a worker writes in one multi_set, in bytes (the limit is per value, not per call;
+# this bound keeps one message, and the store's copy of it, moderate).
+MULTI_SET_BYTES = 32 << 20
 
 
 class Store(Protocol):
@@ -133,6 +156,8 @@ class Delivery:
         compute_s: Seconds spent running ``fn`` on it.
         file: The chunk file that holds the results (with ``output_dir``), else ``""``.
         declined: The rank may not run these items (it is excluded); nothing was run.
+        parts: In a split delivery's record: how many parts hold the delivery (else 0).
+        digest: In a split delivery's record: the SHA-256 (hex) of the parts' bytes.
     """
 
     ticket: int
@@ -143,6 +168,8 @@ class Delivery:
     compute_s: float = 0.0
     file: str = ""
     declined: bool = False
+    parts: int = 0
+    digest: str = ""
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -220,6 +247,8 @@ def pack(key: bytes | None, name: str, d: Delivery) -> bytes:
             "compute_s": d.compute_s,
             "file": d.file,
             "declined": d.declined,
+            "parts": d.parts,
+            "digest": d.digest,
         },
         buf,
     )
@@ -246,6 +275,8 @@ def unpack(key: bytes | None, name: str, raw: bytes) -> Delivery | None:
         compute_s=float(d["compute_s"]),
         file=str(d["file"]),
         declined=bool(d["declined"]),
+        parts=int(d.get("parts", 0)),
+        digest=str(d.get("digest", "")),
     )
 
 
@@ -277,13 +308,64 @@ class Keys:
     def res(self, ticket: int) -> str:
         return f"{self.base}/res/{ticket}"
 
+    def part(self, ticket: int, k: int) -> str:
+        return f"{self.base}/res/{ticket}/{k}"
+
+
+def split(body: bytes) -> list[bytes]:
+    """``body`` cut into parts of at most :data:`PART_BYTES` (one part when it fits)."""
+    return [body[i : i + PART_BYTES] for i in range(0, len(body), PART_BYTES)] or [b""]
+
+
+def take(store: Store, keys: Keys, mac: bytes | None, ticket: int) -> Delivery | None:
+    """Read ticket ``ticket``'s delivery (present: its record was seen) and delete it, its
+    parts included. Round trips: a ``get`` and a ``delete_key``; for a split delivery also
+    one ``check`` and, per part, one ``get`` and one ``delete_key``.
+
+    Returns:
+        The delivery, or None if it is not one the job wrote (bad seal, a part missing or
+        not matching the record's digest, another ticket's).
+    """
+    name = keys.res(ticket)
+    raw = store.get(name)
+    store.delete_key(name)
+    d = unpack(mac, name, raw)
+    if d is None or d.ticket != ticket:
+        return None
+    if d.parts == 0:
+        return d
+    if d.parts > (1 << 20):
+        return None
+    names = [keys.part(ticket, k) for k in range(d.parts)]
+    body = b""
+    if store.check(names):
+        body = b"".join(store.get(n) for n in names)
+    for n in names:
+        store.delete_key(n)
+    if not body or not hmac.compare_digest(hashlib.sha256(body).hexdigest(), d.digest):
+        return None
+    whole = unpack(mac, name, body)
+    if whole is None or whole.ticket != ticket or whole.parts != 0:
+        return None
+    return whole
+
+
+def sweep_parts(store: Store, keys: Keys, ticket: int) -> int:
+    """Delete the parts a rank wrote for ``ticket`` without delivering it (it died while
+    writing them: they are a prefix ``0, 1, ...``). Returns how many were deleted."""
+    k = 0
+    while store.delete_key(keys.part(ticket, k)):
+        k += 1
+    return k
+
 
 # -- the worker's side -----------------------------------------------------------------------
 class Worker:
     """One rank's claims and deliveries (every rank, rank 0 included).
 
     Round trips: :meth:`first` two (``add``, ``set``); then per chunk, :meth:`deliver` two
-    (``add`` for the next ticket, one ``multi_set`` with the delivery and the new lease).
+    (``add`` for the next ticket, one ``multi_set`` with the delivery and the new lease),
+    and one ``multi_set`` more per :data:`MULTI_SET_BYTES` of a delivery over that size.
     """
 
     def __init__(self, store: Store, keys: Keys, rank: int, mac: bytes | None) -> None:
@@ -299,10 +381,33 @@ class Worker:
         return t
 
     def deliver(self, d: Delivery) -> int:
-        """Draw the next ticket, then deliver ``d`` and lease that ticket in one call."""
+        """Draw the next ticket, then deliver ``d`` and lease that ticket in one call (a
+        delivery over :data:`PART_BYTES` is split: its parts go first, its record last)."""
         t = int(self.store.add(self.keys.next, 1)) - 1
         name = self.keys.res(d.ticket)
-        self.store.multi_set([name, self.keys.lease(self.rank)], [pack(self.mac, name, d), str(t)])
+        body = pack(self.mac, name, d)
+        names: list[str] = []
+        values: list[str | bytes] = []
+        if len(body) > PART_BYTES:
+            size = 0
+            parts = split(body)
+            for k, part in enumerate(parts):
+                if names and size + len(part) > MULTI_SET_BYTES:
+                    self.store.multi_set(names, values)
+                    names, values, size = [], [], 0
+                names.append(self.keys.part(d.ticket, k))
+                values.append(part)
+                size += len(part)
+            head = Delivery(
+                d.ticket,
+                d.rank,
+                (),
+                None,
+                parts=len(parts),
+                digest=hashlib.sha256(body).hexdigest(),
+            )
+            body = pack(self.mac, name, head)
+        self.store.multi_set([*names, name, self.keys.lease(self.rank)], [*values, body, str(t)])
         return t
 
     def redo_state(self) -> int:

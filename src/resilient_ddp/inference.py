@@ -890,6 +890,13 @@ class _Collector(threading.Thread):
             # them (a get of a deleted key would block).
             names = [keys.lease(r) for r in range(rt.world_size)]
             names += [keys.redo(k) for k in range(self.n_pub)]
+            # A ticket not taken (its rank died or was given up on): the parts of a split
+            # delivery it left go now; its record, if one comes late, with the generation.
+            for t in range(self.ledger.published):
+                if t not in self.ledger.delivered:
+                    with contextlib.suppress(Exception):
+                        wp.sweep_parts(self.store, keys, t)
+                    names.append(keys.res(t))
             with contextlib.suppress(Exception):
                 self.control.note_keys(names)
 
@@ -914,11 +921,8 @@ class _Collector(threading.Thread):
         for t, ok in zip(waiting, there, strict=True):
             if not ok:
                 continue
-            name = keys.res(t)
-            raw = self.store.get(name)
-            self.store.delete_key(name)
-            d = wp.unpack(self.mac, name, raw)
-            if d is None or d.ticket != t:
+            d = wp.take(self.store, keys, self.mac, t)
+            if d is None:
                 log.warning(
                     "rank 0: distributed_inference: ignored a malformed delivery of ticket %d", t
                 )
