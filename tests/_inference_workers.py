@@ -193,10 +193,11 @@ def gather_memory(rank: int, mib: int, chunk_mib: int, how: str) -> Any:
         rd.barrier()
         before = _peak_mib()
         if how == "ours":
-            rd.gather_to_rank0(rows, chunk_bytes=chunk_mib << 20)
+            got = rd.gather_to_rank0(rows, chunk_bytes=chunk_mib << 20)
         else:
-            rd.all_gather_object(rows)
-        return _peak_mib() - before
+            got = rd.all_gather_object(rows)
+        grew = _peak_mib() - before
+        return {"grew": grew, "before": before, "items": None if got is None else len(got)}
     finally:
         rd.destroy_process_group()
 

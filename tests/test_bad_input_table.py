@@ -119,7 +119,9 @@ def test_bad_arguments_fail_every_rank_at_once_typed() -> None:
             if r == bad_rank:
                 assert got["cause"] in ("AttributeError", "PicklingError", "TypeError"), got
         got = v["no_params"]
-        assert got["type"] == "ConfigError", got
+        # Ours, and still caught where DDP's bare RuntimeError was (torch's own DDP test
+        # test_DistributedDataParallel_requires_grad asserts RuntimeError).
+        assert {"ConfigError", "RuntimeError"} <= set(got["mro"]), got
         assert "requires a gradient" in got["message"], got
         # The group is still usable after each of them.
         for after in ("after_src", "after_gather", "after_broadcast", "after_ddp"):

@@ -123,11 +123,14 @@ def test_gather_memory_of_a_sending_rank_stays_near_its_own_data() -> None:
         w.gather_memory, 3, (mib, 4, "ours"), timeout=DEADLINE, start_method="spawn"
     )
     assert all(o.exitcode == 0 for o in outcomes), format_outcomes(outcomes)
-    ours = {o.rank: o.value for o in outcomes}
+    ours = {o.rank: o.value["grew"] for o in outcomes}
+    got = {o.rank: o.value for o in outcomes}
+    assert got[0]["items"] == 3 * mib * 256, got  # every row reached rank 0
     # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece (and its pickle).
     assert ours[1] < 24, f"rank 1's peak grew by {ours[1]:.0f} MiB while sending {mib} MiB"
-    # Rank 0 holds everyone's: at least the other two ranks' data.
-    assert ours[0] > 1.5 * mib
+    # Rank 0 holds everyone's: at least the other two ranks' data. (Once, in a full run
+    # beside other test runs, rank 0's peak grew by 2.3 MiB only: the values say from where.)
+    assert ours[0] > 1.5 * mib, got
 
 
 def test_broadcast_state_dict_gives_every_rank_the_same_bits() -> None:

@@ -97,6 +97,14 @@ _LOCAL_STATE = (
 _left_behind: list[Any] = []
 
 
+class NoTrainableParametersError(ConfigError, RuntimeError):
+    """The module given to :class:`ResilientDDP` has no parameter that requires a gradient.
+
+    A :class:`ConfigError` (a bad argument) and, like the error torch's
+    ``DistributedDataParallel`` raises there, a ``RuntimeError``.
+    """
+
+
 class ResilientDDP(DistributedDataParallel):
     """A drop-in :class:`~torch.nn.parallel.DistributedDataParallel` with bounded, typed
     failure handling.
@@ -163,8 +171,8 @@ class ResilientDDP(DistributedDataParallel):
         PreflightError: Parameter names, shapes or dtypes, the backend, the torch/CUDA/NCCL
             versions differ across ranks, or two ranks of one host use the same GPU.
         RankFailureError: A rank failed during construction.
-        ConfigError: The module has no parameter that requires a gradient (DDP raises a
-            bare RuntimeError), or a ``process_group`` of your own with
+        ConfigError: The module has no parameter that requires a gradient (also a
+            ``RuntimeError``, as DDP's error there), or a ``process_group`` of your own with
             ``on_failure="shrink"``.
     """
 
@@ -177,8 +185,9 @@ class ResilientDDP(DistributedDataParallel):
         **kwargs: Any,
     ) -> None:
         if not any(p.requires_grad for p in module.parameters()):
-            # DDP raises a bare RuntimeError here; a bad argument is a ConfigError.
-            raise ConfigError(
+            # DDP raises a bare RuntimeError here (torch's own DDP tests expect one): ours
+            # is a ConfigError that code written for DDP still catches.
+            raise NoTrainableParametersError(
                 f"ResilientDDP, as DistributedDataParallel, needs a module with a parameter "
                 f"that requires a gradient; {type(module).__name__} has none (run a module "
                 f"that does not train without the wrapper, e.g. with rd.distributed_inference)."
