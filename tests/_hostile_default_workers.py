@@ -381,14 +381,10 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> int | None:
 
 
 def _cfg() -> rd.ResilienceConfig:
-    return rd.ResilienceConfig(
-        on_failure="shrink",
-        min_world_size=2,
-        heartbeat_interval=timedelta(milliseconds=100),
-        heartbeat_timeout=timedelta(seconds=2),
-        op_timeout=timedelta(seconds=6),
-        init_timeout=timedelta(seconds=30),
-    )
+    """The torchrun/env:// jobs' config (hostile_train.config), for the rd.spawn jobs."""
+    from tests._torchrun_scripts import hostile_train
+
+    return hostile_train.config()
 
 
 def _model() -> tuple[Any, torch.optim.Optimizer]:

@@ -248,25 +248,39 @@ def test_torchrun_without_a_secret_an_attacker_changes_nothing(tmp_path: Path) -
             p.wait()
 
 
+def _env_job(
+    tmp_path: Path, attack: str, procs: list[subprocess.Popen[bytes]], *fault: str
+) -> tuple[Path, list[int | None], str]:
+    """Run the env:// job (rank 0 hosts the store on a free port, with ``fault`` given to
+    the ranks) beside the attacker ``attack``; start again on another port when rank 0
+    found its port taken. The processes go into ``procs`` (the caller reaps them).
+
+    Returns:
+        The job's folder, the return codes (ranks, then the attacker), a report.
+    """
+    deadline = time.monotonic() + DEADLINE_S
+    for attempt in range(PORT_ATTEMPTS):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        procs[:] = [*_popen_ranks(out, _free_port(), *fault), _attacker(attack, str(out))]
+        codes = _wait_all(procs, deadline)
+        report = f"return codes {codes}\n{_outputs(tmp_path)}"
+        final0 = _read(out / "final0.json") or {}
+        if "already in use" in str(final0.get("error")) and attempt < PORT_ATTEMPTS - 1:
+            kill_named(out)
+            continue
+        assert None not in codes, f"deadline passed\n{report}"
+        return out, codes, report
+    raise AssertionError("unreachable: the last attempt returns")
+
+
 def test_env_rank0_store_without_a_secret_an_attacker_changes_nothing(tmp_path: Path) -> None:
     """Items 1, 2 and 6 under env://, rank 0 hosting the store, no secret."""
-    deadline = time.monotonic() + DEADLINE_S
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for attempt in range(PORT_ATTEMPTS):
-            out = tmp_path / f"out{attempt}"
-            out.mkdir()
-            procs = [*_popen_ranks(out, _free_port()), _attacker("attack_default", str(out))]
-            codes = _wait_all(procs, deadline)
-            report = f"return codes {codes}\n{_outputs(tmp_path)}"
-            final0 = _read(out / "final0.json") or {}
-            if "already in use" in str(final0.get("error")) and attempt < PORT_ATTEMPTS - 1:
-                kill_named(out)
-                continue
-            assert None not in codes, f"deadline passed\n{report}"
-            _check_unharmed(out, report, _rank0_output(out))
-            assert codes == [0] * (WORLD + 1), report
-            return
+        out, codes, report = _env_job(tmp_path, "attack_default", procs)
+        _check_unharmed(out, report, _rank0_output(out))
+        assert codes == [0] * (WORLD + 1), report
     finally:
         kill_named(tmp_path)
         for p in procs:
@@ -280,38 +294,23 @@ def test_env_without_a_secret_garbage_in_the_event_counter_then_a_kill_names_the
     counters once the job trains, then SIGKILL of rank 2. The survivors name rank 2 and
     only it: they go on without it (a shrink naming rank 2) or raise RankFailureError
     naming it; never an error that blames the store or another rank."""
-    deadline = time.monotonic() + DEADLINE_S
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for attempt in range(PORT_ATTEMPTS):
-            out = tmp_path / f"out{attempt}"
-            out.mkdir()
-            procs = [
-                *_popen_ranks(out, _free_port(), "kill"),
-                _attacker("attack_counter", str(out)),
-            ]
-            codes = _wait_all(procs, deadline)
-            report = f"return codes {codes}\n{_outputs(tmp_path)}"
-            final0 = _read(out / "final0.json") or {}
-            if "already in use" in str(final0.get("error")) and attempt < PORT_ATTEMPTS - 1:
-                kill_named(out)
-                continue
-            assert None not in codes, f"deadline passed\n{report}"
-            attacker = _read(out / "attacker.json") or {}
-            assert attacker.get("counter_garbage"), report
-            assert codes[2] == -9, report
-            for r in range(2):
-                f = _read(out / f"final{r}.json")
-                assert f is not None, f"rank {r} left no record\n{report}"
-                if "error" in f:
-                    assert f["error"]["rank_failure"], f"rank {r}\n{report}"
-                    assert f["error"]["ranks"] == [2], f"rank {r}\n{report}"
-                else:
-                    shrinks = [e for e in f["events"] if e["kind"] == "shrink"]
-                    assert len(shrinks) == 1, f"rank {r}: {f['events']}\n{report}"
-                    assert [c["rank"] for c in shrinks[0]["culprits"]] == [2], report
-                    assert f["world_size"] == WORLD - 1, report
-            return
+        out, codes, report = _env_job(tmp_path, "attack_counter", procs, "kill")
+        attacker = _read(out / "attacker.json") or {}
+        assert attacker.get("counter_garbage"), report
+        assert codes[2] == -9, report
+        for r in range(2):
+            f = _read(out / f"final{r}.json")
+            assert f is not None, f"rank {r} left no record\n{report}"
+            if "error" in f:
+                assert f["error"]["rank_failure"], f"rank {r}\n{report}"
+                assert f["error"]["ranks"] == [2], f"rank {r}\n{report}"
+            else:
+                shrinks = [e for e in f["events"] if e["kind"] == "shrink"]
+                assert len(shrinks) == 1, f"rank {r}: {f['events']}\n{report}"
+                assert [c["rank"] for c in shrinks[0]["culprits"]] == [2], report
+                assert f["world_size"] == WORLD - 1, report
     finally:
         kill_named(tmp_path)
         for p in procs:
