@@ -537,41 +537,26 @@ def run_ray(n: int, ideal_s: float) -> dict[str, Any]:
     finally:
         ray.shutdown()
     ours_clean, ours_faulty = _ours_kill_and_clean(costs)
+    ours = "rd.distributed_inference"
+
+    def row(system: str, fault: str, run: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        complete = run["complete"] if "complete" in run else run["exact"]
+        duplicates = run.get("duplicates", 0 if complete else None)
+        return {
+            "system": system,
+            "fault": fault,
+            "wall_s": round(run["wall_s"], 3),
+            "items_per_s": round(n / run["wall_s"], 1),
+            "complete": complete,
+            "duplicates": duplicates,
+            **extra,
+        }
+
     out["rows"] = [
-        {
-            "system": "Ray Data",
-            "fault": "none",
-            "wall_s": round(clean["wall_s"], 3),
-            "items_per_s": round(n / clean["wall_s"], 1),
-            "complete": clean["complete"],
-            "duplicates": clean["duplicates"],
-        },
-        {
-            "system": "Ray Data",
-            "fault": "worker SIGKILL at 50 %",
-            "wall_s": round(faulty["wall_s"], 3),
-            "items_per_s": round(n / faulty["wall_s"], 1),
-            "complete": faulty["complete"],
-            "duplicates": faulty["duplicates"],
-            "fired": faulty["killed"],
-        },
-        {
-            "system": "rd.distributed_inference",
-            "fault": "none",
-            "wall_s": round(ours_clean["wall_s"], 3),
-            "items_per_s": round(n / ours_clean["wall_s"], 1),
-            "complete": ours_clean["exact"],
-            "duplicates": 0 if ours_clean["exact"] else None,
-        },
-        {
-            "system": "rd.distributed_inference",
-            "fault": "rank SIGKILL at 50 %",
-            "wall_s": round(ours_faulty["wall_s"], 3),
-            "items_per_s": round(n / ours_faulty["wall_s"], 1),
-            "complete": ours_faulty["exact"],
-            "duplicates": 0 if ours_faulty["exact"] else None,
-            "redone": ours_faulty["redone"],
-        },
+        row("Ray Data", "none", clean),
+        row("Ray Data", "worker SIGKILL at 50 %", faulty, fired=faulty["killed"]),
+        row(ours, "none", ours_clean),
+        row(ours, "rank SIGKILL at 50 %", ours_faulty, redone=ours_faulty["redone"]),
     ]
     for r in out["rows"]:
         print(
