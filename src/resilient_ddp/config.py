@@ -54,16 +54,20 @@ def _positive(name: str, value: timedelta) -> timedelta:
     return value
 
 
+def _not_a_duration(name: str, value: Any) -> str:
+    return (
+        f"The {name} should be a timedelta or a number of seconds, "
+        f"got {type(value).__name__} {value!r}."
+    )
+
+
 def _duration_input(name: str, value: Any) -> Any:
     """A config duration as given in code: a timedelta or a real number of seconds, never
     a string or a bool (pydantic would read ``"5"`` as an ISO duration, ``True`` as 1 s)."""
     if value is None or isinstance(value, timedelta):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(
-            f"The {name} should be a timedelta or a number of seconds, "
-            f"got {type(value).__name__} {value!r}."
-        )
+        raise ValueError(_not_a_duration(name, value))
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"The {name} ({value}) must be a finite number of seconds.")
     if abs(value) > LONGEST_TIMEOUT.total_seconds():  # ints beyond a float included
@@ -105,10 +109,7 @@ def duration_seconds(name: str, value: Any, default: timedelta | None = None) ->
         except OverflowError:  # an int beyond a float's range
             seconds = math.inf
     else:
-        raise ConfigError(
-            f"The {name} should be a timedelta or a number of seconds, "
-            f"got {type(value).__name__} {value!r}."
-        )
+        raise ConfigError(_not_a_duration(name, value))
     if math.isnan(seconds):
         raise ConfigError(f"The {name} ({value}) is not a number.")
     if seconds <= 0:
