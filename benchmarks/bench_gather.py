@@ -13,7 +13,7 @@ item, each its own tensor) and rank 0 needs all of them. Variants:
   otherwise) and returns everything on every rank.
 
 Each variant runs in fresh processes (3 ranks, gloo): the peak resident memory growth
-(``ru_maxrss``) of each rank is measured over the first call, then the call is timed
+(``VmHWM``, reset at the start) of each rank is measured over the first call, then the call is timed
 3 more times (not for the slow ``*_object`` variants, whose first call is their time) and
 the median kept (rank 0's wall time, from a barrier).
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import resource
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from bench_collectives import result_header, write_result  # one header for every bench
 
 import resilient_ddp as rd
+from resilient_ddp.testing import peak_rss_mib
 
 NAME = "gather"
 TITLE = "Gather to rank 0: rd.gather_to_rank0 vs torch's gather_object / all_gather(_object)"
@@ -59,10 +59,6 @@ LABELS = {
     "all_gather_object": "dist.all_gather_object",
     "all_gather": "dist.all_gather (equal shapes)",
 }
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _call(variant: str, rank: int, rows: list[torch.Tensor], indices: list[int]) -> Any:
@@ -93,11 +89,11 @@ def _worker(rank: int, variant: str, mib: int, repeats: int) -> dict[str, Any]:
         rows = [torch.randn(ROW, generator=g) for _ in range(n)]
         indices = list(range(rank, n * WORLD_SIZE, WORLD_SIZE))
         rd.barrier()
-        before = _peak_mib()
+        before = peak_rss_mib(reset=True)
         t0 = time.perf_counter()
         result = _call(variant, rank, rows, indices)
         first_s = time.perf_counter() - t0
-        growth = _peak_mib() - before
+        growth = peak_rss_mib() - before
         if rank == 0 and variant == "rd":
             assert result is not None
             assert len(result) == n * WORLD_SIZE
@@ -176,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             "row_bytes": ROW * 4,
             "statistic": (
                 "time: median over the calls on rank 0 (4 calls, first included; the "
-                "*_object variants: their one call); memory: growth of ru_maxrss over the "
-                "first call"
+                "*_object variants: their one call); memory: growth of the peak RSS (VmHWM) "
+                "over the first call"
             ),
         },
         "variants": {v: LABELS[v] for v in VARIANTS},

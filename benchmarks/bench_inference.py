@@ -18,7 +18,8 @@ Four parts, each on real ranks (gloo, ``rd.spawn``), all in one run:
   (the lost rank's share of the work left, spread over the survivors, plus one chunk
   redone), computed from the same run.
 * **memory**: 3 ranks, 800 results of 256 KiB (200 MiB in all): the growth of rank 0's
-  peak resident memory (``ru_maxrss``: tensors and everything else) over the call, for the
+  peak resident memory (``VmHWM`` reset at the call's start: tensors and everything else)
+  over the call, for the
   old static path (one final gather), the pulled list (``rd.distributed_inference``) and
   the stream (``rd.iter_inference``, each result dropped once read; and with half the
   results, to show that its peak does not follow the data); with the growth of the
@@ -48,7 +49,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -62,6 +62,7 @@ import torch
 from bench_collectives import result_header, write_result  # one header for every bench
 
 import resilient_ddp as rd
+from resilient_ddp.testing import peak_rss_mib
 
 NAME = "inference"
 TITLE = "Distributed inference: balance, a killed rank, rank 0's memory, Ray Data"
@@ -359,10 +360,6 @@ def run_kill(n: int, ideal_s: float) -> dict[str, Any]:
 
 
 # -- (c) rank 0's memory -----------------------------------------------------------------------
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 class Rows(torch.utils.data.Dataset[int]):
     def __init__(self, n: int) -> None:
         self.n = n
@@ -383,7 +380,7 @@ def _mem_worker(rank: int, variant: str, n: int) -> dict[str, Any]:
     try:
         ds = Rows(n)
         rd.barrier()
-        before = _peak_mib()
+        before = peak_rss_mib(reset=True)
         t0 = time.perf_counter()
         seen = 0
         checksum = 0.0
@@ -409,7 +406,7 @@ def _mem_worker(rank: int, variant: str, n: int) -> dict[str, Any]:
             del res
         wall = time.perf_counter() - t0
         return {
-            "growth_mib": _peak_mib() - before,
+            "growth_mib": peak_rss_mib() - before,
             "wall_s": wall,
             "seen": seen,
             "exact": checksum == 0.0,
@@ -420,14 +417,14 @@ def _mem_worker(rank: int, variant: str, n: int) -> dict[str, Any]:
 
 def _mem_child(variant: str, n: int) -> None:
     """One variant in this fresh process (``--mem-child``): prints its row as JSON."""
-    before = _peak_mib()
+    before = peak_rss_mib(reset=True)
     per_rank = rd.spawn(_mem_worker, MEM_WORLD, args=(variant, n), timeout=_dt.timedelta(minutes=3))
     r0 = per_rank[0]
     row = {
         "variant": variant,
         "rank0_growth_mib": round(r0["growth_mib"], 1),
         "others_growth_mib": [round(r["growth_mib"], 1) for r in per_rank[1:]],
-        "store_host_growth_mib": round(_peak_mib() - before, 1),
+        "store_host_growth_mib": round(peak_rss_mib() - before, 1),
         "wall_s": round(r0["wall_s"], 2),
         "results": r0["seen"],
         "exact": r0["exact"],
@@ -673,7 +670,10 @@ def main(argv: list[str] | None = None) -> int:
                 "result_bytes": MEM_ROW * 4,
                 "batch_size": MEM_BATCH,
                 "chunk_size": MEM_CHUNK,
-                "statistic": "growth of ru_maxrss over the call (whole process)",
+                "statistic": (
+                    "growth of the peak RSS (VmHWM, reset at the start) over the call "
+                    "(whole process)"
+                ),
             },
             "statistic": "wall time of the call on rank 0, from a barrier; balance: the "
             f"median of {repeats} rounds of every variant, the others: one run each",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import time
 from typing import Any
 
@@ -10,7 +9,7 @@ import torch
 from torch import nn
 
 import resilient_ddp as rd
-from resilient_ddp.testing import kill_self
+from resilient_ddp.testing import kill_self, peak_rss_mib
 
 from ._workers import _init, error_summary, slow_data_loader
 
@@ -191,19 +190,15 @@ def gather_memory(rank: int, mib: int, chunk_mib: int, how: str) -> Any:
     try:
         rows = list(torch.randn(mib * 256, 1024).unbind(0))  # 4 KiB per row
         rd.barrier()
-        before = _peak_mib()
+        before = peak_rss_mib(reset=True)
         if how == "ours":
             got = rd.gather_to_rank0(rows, chunk_bytes=chunk_mib << 20)
         else:
             got = rd.all_gather_object(rows)
-        grew = _peak_mib() - before
+        grew = peak_rss_mib() - before
         return {"grew": grew, "before": before, "items": None if got is None else len(got)}
     finally:
         rd.destroy_process_group()
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- state sharing ---------------------------------------------------------------------------

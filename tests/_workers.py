@@ -86,6 +86,17 @@ def healthy(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def all_done(tag: str, timeout_s: float = 30.0) -> None:
+    """Wait on the store (not the backend) until every rank of the group has got here."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"test/all_done/{tag}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < dist.get_world_size():
+        assert time.monotonic() < deadline, f"not every rank reached {tag!r} in {timeout_s} s"
+        time.sleep(0.01)
+
+
 def slow_data_loader(seconds: float) -> None:
     time.sleep(seconds)
 
@@ -94,6 +105,9 @@ def fault(rank: int, op: str, kind: str, culprit: int, cfg_kwargs: dict[str, Any
     """Run ``op`` once healthy, then inject ``kind`` on ``culprit`` and run it again."""
     _init(cfg_kwargs)
     assert run_op(op, rank) == expected(op, dist.get_world_size())
+    # A broadcast's receiver can finish before another has entered it: the culprit must
+    # not fail until every rank has finished the healthy op (else that one is the op hit).
+    all_done("healthy_op")
     if rank == culprit:
         if kind == "kill":
             kill_self()

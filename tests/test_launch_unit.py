@@ -97,3 +97,15 @@ def test_format_outcomes_lists_the_processes_a_slot_had_before() -> None:
     assert "rank 1, process 1 of 3: exitcode=-9" in text
     assert "rank 1, process 2 of 3: exitcode=1 raised ValueError" in text
     assert "    Trace\n      boom" in text
+
+
+def test_peak_rss_follows_this_process_from_a_reset() -> None:
+    from resilient_ddp.testing import peak_rss_mib
+
+    before = peak_rss_mib(reset=True)
+    block = bytearray(64 << 20)  # 64 MiB, touched: resident
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    grew = peak_rss_mib() - before
+    del block
+    assert 60 < grew < 200, grew

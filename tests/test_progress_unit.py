@@ -169,3 +169,43 @@ def test_fingerprint_and_where_of_this_frame() -> None:
     assert a != pg.fingerprint(caller.f_back)
     here = pg.where(frame, internal=lambda f: False)
     assert here.startswith("test_fingerprint_and_where_of_this_frame() at test_progress_unit.py:")
+
+
+_FRAME_READER = """
+import gc, sys, threading
+from resilient_ddp import _progress
+main = threading.get_ident()
+def garbage():
+    class Holder: pass
+    h = Holder(); h.loc = threading.local(); h.me = h  # a cycle that holds a local
+def reader(out):
+    for _ in range(200):
+        garbage()
+        gc.set_threshold(1)  # the next allocation collects: inside the read, unguarded
+        out.append(_progress.thread_frame(main) if sys.argv[1] == "ours" else
+                   sys._current_frames().get(main))
+        gc.set_threshold(700)
+out = []
+t = threading.Thread(target=reader, args=(out,), daemon=True)
+t.start(); t.join(20)
+print("frames", sum(f is not None for f in out), "gc", gc.isenabled())
+"""
+
+
+def test_reading_the_main_threads_frame_survives_a_collection_freeing_a_local() -> None:
+    """A collection inside ``sys._current_frames()`` that frees a ``threading.local``
+    deadlocks CPython < 3.12 with the GIL held (every rank of a 3-rank job froze in
+    ``init_process_group``); ``thread_frame`` reads with the collector off. The child has
+    its own deadline: a frozen interpreter cannot end itself (with ``"raw"`` in place of
+    ``"ours"`` the child freezes on 3.11)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRAME_READER, "ours"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["frames", "200", "gc", "True"]

@@ -26,6 +26,7 @@ Pure bookkeeping over injectable readers and a clock: no store, no process group
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -290,6 +291,31 @@ class WaitHistory:
         return max(base, self.MARGIN * q95)
 
 
+#: Serialises :func:`thread_frame`'s switching of the collector (two watchdog-side readers
+#: must not re-enable it under each other).
+_frames_lock = threading.Lock()
+
+
+def thread_frame(ident: int) -> FrameType | None:
+    """The current frame of thread ``ident`` of this process (None if it has ended).
+
+    ``sys._current_frames()`` holds the interpreter's thread-list lock while it builds the
+    frame objects; on CPython before 3.12 an allocation there can start a garbage
+    collection that frees a ``threading.local``, whose clean-up takes that same lock: the
+    reading thread deadlocks with the GIL held and the whole process freezes (seen with
+    3 ranks: every rank froze in ``init_process_group``). The collector is off for the
+    call (microseconds) and back on after, unless it was already off.
+    """
+    with _frames_lock:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return sys._current_frames().get(ident)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+
 def inside(frame: FrameType | None, ours: Callable[[str], bool]) -> bool:
     """Whether the innermost frame from ``frame`` outside ``threading`` (a wait on an
     event or a lock goes through it) is in a file that is ``ours``."""
@@ -311,7 +337,7 @@ def sampler(
     """
 
     def read() -> Sample:
-        frame = sys._current_frames().get(main_ident)
+        frame = thread_frame(main_ident)
         state, cpu = read_stat(main_tid)
         return Sample(
             cpu_s=cpu,

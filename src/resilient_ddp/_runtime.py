@@ -1025,7 +1025,7 @@ class Runtime:
         """Format the innermost frames of this process's main thread."""
         if self.main_thread_ident is None:
             return ""
-        frame = sys._current_frames().get(self.main_thread_ident)
+        frame = _progress.thread_frame(self.main_thread_ident)
         text = format_stack(frame, self.config.stack_depth) if frame is not None else ""
         if self.thread_errors:
             text += "\n" + "\n".join(self.thread_errors[-3:])

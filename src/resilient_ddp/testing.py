@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,14 @@ from typing import Any
 from .errors import RankOutcome
 from .launch import launch
 
-__all__ = ["format_outcomes", "kill_self", "run_ranks", "set_start_method", "stop_self"]
+__all__ = [
+    "format_outcomes",
+    "kill_self",
+    "peak_rss_mib",
+    "run_ranks",
+    "set_start_method",
+    "stop_self",
+]
 
 _START_METHODS = ("spawn", "forkserver", "fork")
 _start_method = "spawn"
@@ -115,3 +123,31 @@ def kill_self() -> None:
 def stop_self() -> None:
     """Freeze this whole process with SIGSTOP (every thread, the watchdog too)."""
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def peak_rss_mib(*, reset: bool = False) -> float:
+    """This process's peak resident memory in MiB (Linux ``VmHWM``).
+
+    Args:
+        reset: Lower the peak to the present resident size first (``/proc/self/clear_refs``,
+            Linux 4.0 and later), so that a later call measures from here.
+
+    Unlike ``getrusage(RUSAGE_SELF).ru_maxrss``, which a process keeps across ``exec``
+    (a rank started by ``spawn`` from a 700 MiB test runner begins at 700 MiB and shows
+    no growth below that), ``VmHWM`` starts with the process's own memory. Where
+    ``/proc`` cannot tell, ``ru_maxrss`` is returned. Never blocks, never raises.
+    """
+    if reset:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
