@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from resilient_ddp import _control as ctl
-from resilient_ddp import elastic
+from resilient_ddp import _timings, elastic
 from resilient_ddp._elastic_protocol import Proposal, ShrinkDecision
 from resilient_ddp.errors import ControlPlaneError
 
@@ -328,7 +328,7 @@ def test_the_others_decide_when_the_decider_never_publishes() -> None:
     dec = _same(ranks.decisions())
     took = time.monotonic() - t0
     cfg = ranks.rts[1].config
-    bound = elastic._grace(cfg) + 2 * cfg.heartbeat_interval.total_seconds() + 1.0
+    bound = _timings.shrink_decider_wait(cfg)  # the late proposer's grace, two ticks and 1 s
     assert took >= bound, (took, bound)
     assert (dec["members"], dec["lost"]) == ([0, 1, 2], [3]), dec
     assert sum(ranks.log_reads().values()) >= 1, ranks.log_reads()
@@ -351,7 +351,7 @@ def test_a_claim_that_is_not_a_claim_makes_every_rank_decide() -> None:
     reads, claims = ranks.log_reads(), ranks.claims()
     assert sum(reads.values()) >= 1, reads
     assert all(reads[r] <= claims[r] for r in reads), (reads, claims)
-    assert took < elastic._grace(ranks.rts[0].config), took
+    assert took < _timings.late_proposer_grace(ranks.rts[0].config), took
 
 
 def test_forgetting_the_generation_deletes_the_claim() -> None:

@@ -645,6 +645,7 @@ def _standalone(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, Any
     import torch
 
     import resilient_ddp as rd
+    from resilient_ddp import _timings
 
     nproc = 2 if args.nproc is None else args.nproc
     if nproc < 1:
@@ -658,7 +659,7 @@ def _standalone(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, Any
             problems=["--backend nccl asked for, but no CUDA device is visible to this torch"],
         )
         return _finish(report)
-    deadline = timedelta(seconds=args.init_timeout + 4 * args.op_timeout + 120)
+    deadline = timedelta(seconds=_timings.doctor_run_limit(args.init_timeout, args.op_timeout))
     try:
         values = rd.spawn(
             _rank_main, nproc, args=(opts,), timeout=deadline, grace=timedelta(seconds=5)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from . import _clock, _events, _progress
+from . import _clock, _events, _progress, _timings
 from . import _control as ctl
 from . import _diagnosis as dg
 from .config import ResilienceConfig, duration_seconds
@@ -286,12 +286,10 @@ class Runtime:
         # time.monotonic() of the watchdog's last completed tick (0: no watchdog yet); a
         # tick that does not complete within stall_s means the store stopped answering.
         self.watchdog_tick = 0.0
-        self.stall_s = (
-            config.heartbeat_timeout.total_seconds() + 2 * config.heartbeat_interval.total_seconds()
-        )
+        self.stall_s = _timings.store_stall_limit(config)
         # A store that stalls but whose host accepts connections has fallen behind: it is
         # given store_timeout before the control plane is declared lost (see failed_for).
-        self.store_timeout_s = max(config.store_timeout.total_seconds(), self.stall_s)
+        self.store_timeout_s = _timings.store_lost_limit(config)
         address = ctl.store_address(control_root)
         every = config.heartbeat_interval.total_seconds()
         self.store_probe = _StoreProbe(address, every) if address is not None else None
@@ -418,10 +416,7 @@ class Runtime:
         """Seconds without progress after which a rank late to op ``name`` is stuck: the
         config's base window, or longer where this kind of op usually waits longer."""
         cfg = self.config
-        return min(
-            self.waits.window(name, cfg.base_stuck_window),
-            cfg.busy_timeout.total_seconds(),
-        )
+        return _timings.op_stuck_window(cfg, self.waits.window(name, cfg.base_stuck_window))
 
     def register(self, p: PendingOp) -> None:
         with self.lock:
@@ -523,7 +518,7 @@ class Runtime:
         client does not bound."""
         if not self.watchdog_tick:
             return True
-        recent = 2 * self.config.heartbeat_interval.total_seconds() + 1.0
+        recent = _timings.store_answering_window(self.config)
         return time.monotonic() - self.watchdog_tick <= recent
 
     def store_stalled(self) -> bool:
@@ -704,7 +699,7 @@ class Runtime:
 
     def tell_grace(self) -> float:
         """Seconds the main thread gets to raise the verdict before the process ends."""
-        return 2.0 + 2 * self.config.heartbeat_interval.total_seconds()
+        return _timings.tell_grace(self.config)
 
     def check_told(self) -> None:
         """Called by the watchdog each tick: end the process if the main thread was told
@@ -932,7 +927,7 @@ class Runtime:
         if not hosts or self.watchdog is None:
             return
         mates = {r for r, info in self.infos.items() if info.get("host") in hosts}
-        end = time.monotonic() + 2 * self.config.heartbeat_interval.total_seconds()
+        end = time.monotonic() + _timings.host_mates_wait(self.config)
         self.watchdog.poke()
         while time.monotonic() < end:
             with self.lock:
@@ -958,7 +953,7 @@ class Runtime:
             # A raw torch.distributed error in user code is usually a peer's death seen
             # first: give the watchdog a moment to learn of it before blaming this rank.
             self.watchdog.poke()
-            end = time.monotonic() + 2 * self.config.heartbeat_interval.total_seconds() + 0.5
+            end = time.monotonic() + _timings.watchdog_verdict_wait(self.config)
             while time.monotonic() < end and not self.failures and not self.left:
                 time.sleep(0.02)
         secondary = isinstance(exc, _SECONDARY) or bool(self.failures) or bool(self.left)
@@ -1062,8 +1057,8 @@ class Runtime:
             finally:
                 with contextlib.suppress(ControlPlaneError):
                     control.publish_verdict(seq, k, verdict)
-        margin = 2 * self.config.heartbeat_interval.total_seconds() + 1.0
-        shared = control.read_verdict(seq, k, timedelta(seconds=self._diagnosis_window() + margin))
+        wait = _timings.shared_verdict_wait(self.config)
+        shared = control.read_verdict(seq, k, timedelta(seconds=wait))
         if (
             shared is None
             or not shared.get("shared")
@@ -1088,9 +1083,7 @@ class Runtime:
         return (now - beat) * interval > self.config.heartbeat_timeout.total_seconds()
 
     def _diagnosis_window(self) -> float:
-        # Peers answer at their next heartbeat: never wait less than two of them.
-        interval = self.config.heartbeat_interval.total_seconds()
-        return max(self.config.diagnosis_timeout.total_seconds(), 2 * interval + 0.25)
+        return _timings.diagnosis_window(self.config)
 
     def _diagnose_here(
         self, control: ctl.ControlPlane, name: str, seq: int
@@ -1807,7 +1800,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         _raise_told(rt)
         # The watchdog learns of a death within a tick; let it tick now. (``rt.raised`` may
         # already be set: the watchdog builds the error it fails a pending op with.)
-        grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
+        grace = _timings.watchdog_verdict_wait(rt.config)
         if rt.status == "running" and rt.await_verdict(grace):
             name = signal.Signals(signum).name
             head = (

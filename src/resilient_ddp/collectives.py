@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as ctl
-from . import _events, _progress
+from . import _events, _progress, _timings
 from ._backend import comm_device
 from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
 from ._runtime import PendingOp
@@ -67,7 +67,7 @@ log = logging.getLogger("resilient_ddp")
 T = TypeVar("T")
 Duration = timedelta | float | int | None
 _MAX_NDIM = 16
-_MAX_SLICE_S = 0.25  # longest backend wait between two checks for recorded failures
+_MAX_SLICE_S = _timings.MAX_BACKEND_SLICE_S  # longest backend wait between failure checks
 _MIN_SLICE_S = SHORTEST_TIMEOUT.total_seconds()  # below: c10d's 0 ms, i.e. "forever"
 _BUSY_REPORT_S = 30.0  # how often a waiting rank says again what a busy late rank does
 
@@ -540,7 +540,7 @@ class Op:
     def _wait_sliced(self, work: Any) -> None:
         rt = self.rt
         # A failure is noticed at the end of the current slice: keep slices short.
-        slice_s = min(rt.config.heartbeat_interval.total_seconds(), _MAX_SLICE_S)
+        slice_s = _timings.failure_check_slice(rt.config)
         slice_end = self._first_check()
         try:
             while True:
@@ -586,12 +586,13 @@ class Op:
         # A late rank is judged again when it could first be stuck (its idleness reaches
         # the window), a heartbeat interval later, and at least every half window: one that
         # stops making progress is named about one window and one interval after.
-        interval = self.rt.config.heartbeat_interval.total_seconds()
         again = max(1.0, self.window_s / 2)
         for c in culprits:
             idle = c.get("idle")
             if isinstance(idle, float) and c.get("blame") == "NEVER_ARRIVED_IDLE":
-                again = min(again, max(interval, self.window_s - idle + interval))
+                again = min(
+                    again, _timings.stuck_recheck_delay(self.rt.config, self.window_s, idle)
+                )
         again = min(self.attempt_s, again)
         if not self.bounds_call:
             return now + again
@@ -801,7 +802,7 @@ class Op:
             RankFailureError: The watchdog recorded a failure.
         """
         rt = self.rt
-        grace = 2 * rt.config.heartbeat_interval.total_seconds() + 0.5
+        grace = _timings.watchdog_verdict_wait(rt.config)
         end = time.monotonic() + grace
         if not past_deadline:
             end = min(end, self.deadline)

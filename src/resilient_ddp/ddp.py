@@ -38,7 +38,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
-from . import _progress, _runtime, elastic
+from . import _progress, _runtime, _timings, elastic
 from ._backend import nccl_version
 from ._runtime import PendingOp, Runtime
 from .collectives import Op, all_gather_object, all_reduce, broadcast
@@ -71,10 +71,6 @@ _optimizer_scope: weakref.WeakKeyDictionary[Any, tuple[int, int, bool]] = (
 # Models whose step ended with a synchronised backward pass; the optimizer step that follows
 # publishes their new step count (see ResilientDDP._rd_publish_step).
 _ended_steps: weakref.WeakSet[ResilientDDP] = weakref.WeakSet()
-# Heartbeats published ahead of schedule at step boundaries, at most this many per
-# heartbeat interval: each is a watchdog tick (store round trips), so fast steps must not
-# turn into a flood of them.
-_STEP_BEATS_PER_INTERVAL = 5
 # Attributes that belong to the process and the reducer, not to the model: never pickled,
 # set afresh by ResilientDDP._rd_init_local_state (which must set every one of them).
 _LOCAL_STATE = (
@@ -876,7 +872,7 @@ class ResilientDDP(DistributedDataParallel):
             return
         rt.step = step
         now = time.monotonic()
-        gap = rt.config.heartbeat_interval.total_seconds() / _STEP_BEATS_PER_INTERVAL
+        gap = _timings.step_beat_gap(rt.config)
         if rt.watchdog is not None and now - self._rd_beat_at >= gap:
             self._rd_beat_at = now
             rt.watchdog.poke()

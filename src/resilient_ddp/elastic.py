@@ -61,7 +61,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _control as ctl
 from . import _elastic_protocol as proto
-from . import _events
+from . import _events, _timings
 from ._elastic_protocol import ElasticParticipant
 from ._runtime import RECOVERY_PHASE, Runtime, phase
 from .errors import ControlPlaneError, RankFailureError, ResilientDDPError
@@ -374,7 +374,7 @@ def recover(
     if rt.watchdog is not None:
         rt.watchdog.poke()
     cfg = rt.config
-    budget = 3 * cfg.op_timeout.total_seconds() + cfg.heartbeat_timeout.total_seconds()
+    budget = _timings.shrink_recovery_budget(cfg)
     # A failed admission is recovered by the members of the generation it started from:
     # the joiners were never part of the job (they wait for another admission).
     gen_from = getattr(cause, "gen_from", rt.generation)
@@ -655,14 +655,6 @@ def _follow(key: str, record: dict[str, Any], members: list[int]) -> dict[str, A
         ) from None
 
 
-def _grace(cfg: Any) -> float:
-    """Seconds a rank named by a timeout, but not known dead, is waited for: it may only
-    have been slower to give up (it timed out too and is on its way to propose)."""
-    return float(
-        min(cfg.op_timeout.total_seconds(), 2 * cfg.heartbeat_interval.total_seconds() + 0.5)
-    )
-
-
 def _await_decision(
     rt: Runtime, jobs: ctl.JobStore, decided: str, decider: int, ranks: int
 ) -> dict[str, Any] | None:
@@ -683,8 +675,7 @@ def _await_decision(
         ControlPlaneError: The store is unreachable.
     """
     cfg = rt.config
-    margin = 2 * cfg.heartbeat_interval.total_seconds() + 1.0
-    until = time.monotonic() + _grace(cfg) + margin
+    until = time.monotonic() + _timings.shrink_decider_wait(cfg)
     silent_before, _ = _gone(rt)
     poll = ctl.Backoff(ranks, 1)
     while True:
@@ -731,7 +722,7 @@ def _decide_round(
         ControlPlaneError: The store is unreachable, or holds garbage in every slot.
     """
     cfg = rt.config
-    grace = _grace(cfg)
+    grace = _timings.late_proposer_grace(cfg)
     silent_since: float | None = None
     decided = f"{base}/d"
     count = _Tally(functools.partial(jobs.proposal_count, base))
@@ -834,7 +825,7 @@ def _form(
     Raises:
         RankFailureError: A member did not arrive in time (it died meanwhile).
     """
-    timeout_s = _form_timeout(rt.config)
+    timeout_s = _timings.rendezvous_form_timeout(rt.config)
     jobs = _jobs(rt.control_root)
     rank = members.index(el.uid)
     # Everyone posts "ready" first: a member that died after the decision is noticed here,
@@ -919,17 +910,11 @@ def _forget(rt: Runtime, generations: list[tuple[int, int, set[int]]]) -> None:
         log.info("rank %d: could not delete old generations' keys: %s", rt.rank, e)
 
 
-def _form_timeout(cfg: Any) -> float:
-    """Seconds a member waits for the others to arrive at a new generation's rendezvous."""
-    return float(
-        max(2.0, min(cfg.heartbeat_timeout.total_seconds(), cfg.op_timeout.total_seconds()))
-    )
-
-
 def _rebuild(rt: Runtime, gen: int, rank: int, members: list[int]) -> None:
     from .membership import rebuild
 
-    rebuild(rt, gen, timeout_s=_form_timeout(rt.config), rank=rank, world_size=len(members))
+    timeout_s = _timings.rendezvous_form_timeout(rt.config)
+    rebuild(rt, gen, timeout_s=timeout_s, rank=rank, world_size=len(members))
     # Op sequence numbers start again with the generation (joiners start at 0); so does
     # the last op a heartbeat shows, or a peer's diagnosis would compare across generations.
     rt.seq = 0
@@ -1097,7 +1082,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
         jobs.post_has_state(gen, rank)
     else:
         jobs.decide(result, {"ok": False})
-    deadline = time.monotonic() + _form_timeout(rt.config)
+    deadline = time.monotonic() + _timings.rendezvous_form_timeout(rt.config)
     confirmed = _Tally(functools.partial(jobs.has_state_count, gen))
     missing: list[int] | None = None  # who had not confirmed at the last look (past the deadline)
     poll = ctl.Backoff(world, 2)
@@ -1238,7 +1223,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
                 return False
             recheck = now + _RECHECK_S
         if round_n != n:
-            round_n, deadline = n, now + _form_timeout(rt.config)
+            round_n, deadline = n, now + _timings.rendezvous_form_timeout(rt.config)
         rt.raise_if_failed("forward", rt.seq + 1)
         if time.monotonic() >= deadline:
             # The records themselves, not their count (it can lag them).
@@ -1329,8 +1314,9 @@ def _unacknowledged(rt: Runtime, jobs: ctl.JobStore, n: int) -> Exception:
             "an acknowledgement of the join requests in the control-plane store is not a "
             "valid record: a process outside the job writes to its store"
         )
+    limit_s = _timings.rendezvous_form_timeout(rt.config)
     what = (
-        f"did not acknowledge {n} join request(s) within {_form_timeout(rt.config):.1f} s "
+        f"did not acknowledge {n} join request(s) within {limit_s:.1f} s "
         "(its watchdog does not run?)"
     )
     culprits = [rt.culprit(r, what) for r in missing]
@@ -1500,7 +1486,7 @@ def _admit(
         return rt, state, None
     _runtime.set_current(None)
     if rt.watchdog is not None:
-        rt.watchdog.stop(timeout=2 * cfg.heartbeat_interval.total_seconds() + 1)
+        rt.watchdog.stop(timeout=_timings.watchdog_stop_wait(cfg))
         rt.watchdog = None
     log.warning(
         "joiner %d: admission to generation %d failed: %s",

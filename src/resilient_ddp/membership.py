@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import _control as ctl
+from . import _timings
 from ._backend import abort_group, default_pg_timeout, forget_failed_init
 from ._runtime import Runtime
 from .errors import PreflightError, RankFailureError
@@ -130,7 +131,7 @@ def rebuild(
             )
         ) from e
     if rt.watchdog is not None:
-        rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
+        rt.watchdog.stop(timeout=_timings.watchdog_stop_wait(rt.config))
         rt.watchdog = None
     # Later ops must not inherit the short rendezvous timeout.
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _control as ctl
-from . import _runtime
+from . import _runtime, _timings
 from ._backend import abort_group, backend_name, default_pg_timeout
 from ._runtime import Runtime
 from .config import ResilienceConfig, get_config, resolve
@@ -363,7 +363,7 @@ def _release(box: list[list[tuple[Any, list[Any]]]]) -> None:
 def _detach(rt: Runtime) -> None:
     rt.report_left()
     if rt.watchdog is not None:
-        rt.watchdog.stop(timeout=2 * rt.config.heartbeat_interval.total_seconds() + 1)
+        rt.watchdog.stop(timeout=_timings.watchdog_stop_wait(rt.config))
     rt.linger()  # the store host keeps serving until the peers are done with it
     _runtime.set_current(None)
     _runtime.uninstall_hooks()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from . import _clock, _events
+from . import _clock, _events, _timings
 from . import _control as ctl
 from ._runtime import Runtime, qualname, with_board
 from .errors import ControlPlaneError, Culprit
@@ -157,6 +157,8 @@ class Watchdog(threading.Thread):
         self.interval = runtime.config.heartbeat_interval.total_seconds()
         self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
         self.busy_timeout = runtime.config.busy_timeout.total_seconds()
+        self.blind_limit = _timings.blind_spell_limit(runtime.config)
+        self.host_mate_silence = _timings.host_mate_silence(runtime.config)
         self._unheard: set[int] = set()  # silent ranks whose process runs (told once)
         self._stop_event = threading.Event()
         self._wake = threading.Event()
@@ -500,7 +502,7 @@ class Watchdog(threading.Thread):
         # watchdog could look, or every peer would be declared dead once the store answers.
         blind = now - self._last_check - self.interval if self._last_check else 0.0
         self._last_check = now
-        if blind > self.hb_timeout / 2:
+        if blind > self.blind_limit:
             self._last_change = {r: (b, t + blind) for r, (b, t) in self._last_change.items()}
         silence: dict[int, float] = {}
         for r, s in states.items():
@@ -518,7 +520,7 @@ class Watchdog(threading.Thread):
         # host only: on this one, a silent rank says nothing about its neighbours).
         hosts = {self.rt.infos.get(r, {}).get("host") for r in stale}
         hosts -= {self.rt.identity["host"]}
-        nearly = self.hb_timeout - 2 * self.interval
+        nearly = self.host_mate_silence
         stale |= {
             r
             for r, t in silence.items()
