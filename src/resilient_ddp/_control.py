@@ -1148,6 +1148,18 @@ class JobStore:
     def end(self, step: int, failed: str | None) -> None:
         self.decide("ended", {"step": step, "failed": failed})
 
+    def open_inference(self, record: dict[str, Any]) -> None:
+        """Say that inference call ``record["call"]`` of generation ``record["gen"]`` runs
+        (rank 0, when it starts; ``record["closed"]`` once it ended): a replacement started
+        meanwhile helps with it instead of waiting for an admission (see ``_guest``)."""
+        self._put("inf/open", record)
+
+    def inference(self) -> dict[str, Any] | None:
+        """The last :meth:`open_inference` record, or None (no call ran, or not one the job
+        wrote)."""
+        rec = self._get("inf/open")
+        return rec if isinstance(rec, dict) else None
+
     def is_elastic(self) -> bool:
         """Whether the job trains elastically (``on_failure="shrink"`` creates ``join/n``)."""
         return self._has("join/n")

@@ -25,7 +25,15 @@ Keys of inference call ``c``, under the current generation's prefix (``rd/<job>/
                        and their SHA-256; deleted by rank 0 once read
 ``inf/<c>/res/<t>/<k>`` part ``k`` of ticket ``t``'s delivery when it is split (at most
                        :data:`PART_BYTES` each); deleted by rank 0 once read
+``inf/<c>/guests``     replacements that came to help (a counter): helper ``k`` works as
+                       worker ``world_size + k`` (its lease under that number)
+``inf/<c>/guest/<w>/beat`` helper ``w``'s heartbeat (a counter it bumps every
+                       ``heartbeat_interval``): rank 0 gives its lease back when it stops
 =====================  ==================================================================
+
+A replacement started while a call runs (``rd.spawn(restarts=N)``, an elastic launcher)
+finds the call in the job's ``inf/open`` record (sealed, outside the generation) and helps
+with it: it pulls and delivers chunks as a rank does, without joining the process group.
 
 A worker's round trips per chunk: one ``add`` on ``next`` (its next ticket) and one
 ``multi_set`` that delivers the chunk it ran and records its next ticket as its lease.
@@ -307,6 +315,15 @@ class Keys:
 
     def res(self, ticket: int) -> str:
         return f"{self.base}/res/{ticket}"
+
+    @property
+    def guests(self) -> str:
+        """Counter of the replacements that came to help (ids ``world_size + k``)."""
+        return f"{self.base}/guests"
+
+    def guest_beat(self, worker: int) -> str:
+        """Counter a helping replacement bumps every heartbeat interval."""
+        return f"{self.base}/guest/{worker}/beat"
 
     def part(self, ticket: int, k: int) -> str:
         return f"{self.base}/res/{ticket}/{k}"

@@ -63,6 +63,7 @@ from . import _control as ctl
 from . import _elastic_protocol as proto
 from . import _events
 from ._elastic_protocol import ElasticParticipant
+from ._guest import Guest
 from ._runtime import RECOVERY_PHASE, Runtime, phase
 from .errors import ControlPlaneError, RankFailureError, ResilientDDPError
 
@@ -80,6 +81,7 @@ _RECHECK_S = 0.1  # while waiting for acknowledgements: how often the requests a
 # missing, however long a large state takes.
 TRANSFER_PHASE = "state transfer"
 _MAX_JOIN_TRIES = 3  # admissions failed by a joiner itself before it gives up
+_GUEST_LOOK_S = 0.1  # how often a waiting joiner reads the inference record (one get)
 
 
 @dataclass
@@ -1373,13 +1375,20 @@ class _Asked:
 
 
 @_typed_store_errors("joining")
-def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, dict[str, Any]]:
+def join(
+    backend: str | None, cfg: Any, timeout: timedelta
+) -> tuple[Runtime, dict[str, Any]] | Guest:
     """Joiner side (``RESILIENT_DDP_JOINER=1``): ask to join the running job, wait until
     the members admit this process, form the group with them and receive the state.
 
     Blocks at most ``timeout``. An admission the members abandon (a failure among them)
     is waited out; one that fails because of this process counts against it, and it gives
     up after ``_MAX_JOIN_TRIES`` of them.
+
+    While the job runs a ``distributed_inference`` call instead (its ``inf/open`` record),
+    no member will admit anyone: this process returns a :class:`~._guest.Guest` of that
+    call (it helps with the work without a group). A call that has ended in a job that
+    does not train elastically leaves nothing to do: it exits with code 0.
 
     Raises:
         PreflightError: Not admitted within ``timeout`` (no job with
@@ -1402,8 +1411,14 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     requested = time.time()
     deadline = time.monotonic() + timeout.total_seconds()
     tried_gen, failures = -1, 0
+    next_look = 0.0
     while True:
         _check_ended(jobs, uid)
+        if time.monotonic() >= next_look:
+            next_look = time.monotonic() + _GUEST_LOOK_S
+            guest = _inference_to_help(jobs, root, uid, backend, cfg)
+            if guest is not None:
+                return guest
         if jobs.join_tries(uid) >= _MAX_JOIN_TRIES:
             raise PreflightError(
                 f"this process (member id {uid}) was not admitted: it did not reach "
@@ -1450,6 +1465,51 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
                 f"job: {failures} admissions failed, the last one with: {error}",
                 problems=["joiner admission failed"],
             ) from error
+
+
+def _inference_to_help(
+    jobs: ctl.JobStore, root: dist.Store, uid: int, backend: str | None, cfg: Any
+) -> Guest | None:
+    """The running inference call this joiner can help with (see :func:`join`), or None.
+
+    Raises:
+        SystemExit: With code 0: the call it was started for has ended and the job does
+            not train elastically (nobody would ever admit it).
+    """
+    rec = jobs.inference()
+    if rec is None:
+        return None
+    if rec.get("closed"):
+        if rec.get("elastic", True):
+            return None  # the members may admit it at a step boundary of their training
+        log.warning(
+            "joiner %d: the job's distributed_inference call %s ended before this process "
+            "could help with it, and the job does not train elastically; exiting",
+            uid,
+            rec.get("call"),
+        )
+        raise SystemExit(0)
+    try:
+        gen, call, world = int(rec["gen"]), int(rec["call"]), int(rec["world"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    log.warning(
+        "joiner %d: the job runs distributed_inference (call %d of generation %d, %d "
+        "ranks): this process helps with it without joining the process group",
+        uid,
+        call,
+        gen,
+        world,
+    )
+    return Guest(
+        root=root,
+        uid=uid,
+        generation=gen,
+        call=call,
+        world_size=world,
+        config=cfg,
+        backend=backend or "gloo",
+    )
 
 
 def _admit(
