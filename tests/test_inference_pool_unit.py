@@ -83,6 +83,41 @@ def test_plan_rejects_bad_arguments() -> None:
         wp.plan_chunks(2, 1, [1.0, float("nan")])
 
 
+@pytest.mark.parametrize(
+    ("n", "world", "batch", "expect"),
+    [
+        # 100 items, 2 ranks, batches of 4: largest 8 (ceil(100 / 16) = 7 -> 8); the share
+        # is left / (2 x 2 ranks) in whole batches: 8 while more than 16 are left (100, 92,
+        # ..., 20: eleven chunks), then 12 -> 4, 8 -> 4, 4 -> 4.
+        (100, 2, 4, [8] * 11 + [4] * 3),
+        (10, 4, 8, [8, 2]),  # at least one batch; the last takes what is left
+        (0, 3, 4, []),
+    ],
+)
+def test_tapered_sizes_shrink_to_a_batch_as_the_work_runs_out(
+    n: int, world: int, batch: int, expect: list[int]
+) -> None:
+    largest = wp.default_chunk_size(n, world, batch) if n else batch
+    assert wp.tapered_sizes(n, world, batch, largest) == expect
+
+
+def test_the_default_plan_tapers_and_covers_every_item_once_in_order() -> None:
+    chunks = wp.plan(2000, None, 4, 4)
+    sizes = [len(c.items) for c in chunks]
+    assert [i for c in chunks for i in c.items] == list(range(2000))
+    assert sizes[0] == wp.default_chunk_size(2000, 4, 4) == 64
+    assert sizes == sorted(sizes, reverse=True)  # never grows
+    assert sizes[-4:] == [4, 4, 4, 4]  # one batch each at the very end
+    left = 2000
+    for size in sizes:  # none holds more than the items left over 2 x ranks (whole batches)
+        assert size <= max(4, -(-left // (wp.TAPER * 4) // 4) * 4 + 4)
+        left -= size
+    # A chunk size given, or costs: the plan is plan_chunks's, unchanged.
+    assert wp.plan(2000, 50, 4, 4) == wp.plan_chunks(2000, 50)
+    costs = [float(i % 13) for i in range(2000)]
+    assert wp.plan(2000, None, 4, 4, costs) == wp.plan_chunks(2000, 64, costs)
+
+
 def test_default_chunk_size_is_whole_batches_and_several_chunks_per_rank() -> None:
     assert wp.default_chunk_size(1000, 4, 8) == 32  # 1000 / 32 = 31.25 -> 32 (4 batches)
     assert wp.default_chunk_size(10, 4, 8) == 8  # at least one batch

@@ -194,7 +194,9 @@ def distributed_inference(
             (timedelta or seconds; default ``config.op_timeout``). Not used otherwise: a
             hung rank is told by its progress signals (``config.stuck_window``).
         chunk_size: Items per chunk (default: about 8 chunks per rank, a whole number of
-            batches). With ``output_dir`` a resumed call keeps the plan written there.
+            batches, the last ones smaller: none holds more than the items left over twice
+            the ranks, so that ranks finish together when costs are unknown). With
+            ``output_dir`` a resumed call keeps the plan written there.
         on_rank_failure: ``"redo"`` (default): the survivors redo a failed rank's chunks.
             ``"raise"``: the behaviour before: shares planned up front, one final gather,
             every rank raises :class:`RankFailureError` naming the failed rank
@@ -412,7 +414,7 @@ class _Pool:
         size = self.chunk_size or wp.default_chunk_size(self.total, self.world, self.batch_size)
         try:
             if self.output_dir is None:
-                return wp.plan_chunks(self.total, size, self.costs)
+                return wp.plan(self.total, self.chunk_size, self.world, self.batch_size, self.costs)
             fp = wp.fingerprint(self.total, self.costs, self.chunk_size or 0)
             m = wp.read_manifest(self.output_dir)
             if m is not None:
@@ -423,7 +425,7 @@ class _Pool:
                         "other costs or format): use another folder, or the same arguments"
                     )
                 return wp.chunks_of(m)
-            chunks = wp.plan_chunks(self.total, size, self.costs)
+            chunks = wp.plan(self.total, self.chunk_size, self.world, self.batch_size, self.costs)
             if self.rank == 0:
                 os.makedirs(self.output_dir, exist_ok=True)
                 wp.write_manifest(self.output_dir, wp.manifest(self.total, chunks, size, fp))
