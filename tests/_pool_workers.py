@@ -371,6 +371,9 @@ def pool_guest(rank: int, flags: str, late: bool = False) -> Any:
                 kill_self()
             if joiner:
                 guest_flag.write_text(str(os.getpid()))
+                # Slower than rank 0's looks (every heartbeat interval): it is seen holding
+                # a ticket (a look that read a state it has not got would block).
+                time.sleep(3 * FAST["heartbeat_interval"])
             elif late and top >= at:
                 hold(fired)
             elif not late and top >= GUEST_HOLD:

@@ -1148,7 +1148,9 @@ class _Collector(threading.Thread):
         ]
         if not holders:
             return False
-        states = self.control.read_states(holders)
+        # Only ranks publish a state: a missing key would block the read (a helping
+        # replacement has none; it is judged by its beat and busy_timeout alone).
+        states = self.control.read_states([r for r in holders if r < rt.world_size])
         now = time.monotonic()
         window = rt.config.base_stuck_window
         changed = False
