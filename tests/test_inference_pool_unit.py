@@ -490,3 +490,47 @@ def test_invalid_arguments_are_config_errors() -> None:
         rd.distributed_inference(
             lambda b: b, data, batch_size=1, on_rank_failure="raise", output_dir="x"
         )
+
+
+class _Jobs:
+    def __init__(self, rec: dict[str, object] | None) -> None:
+        self.rec = rec
+
+    def inference(self) -> dict[str, object] | None:
+        return self.rec
+
+
+@pytest.mark.parametrize(
+    ("rec", "becomes"),
+    [
+        (None, "waits"),  # no call ran: an admission may come
+        ({"gen": 0, "call": 1, "world": 3, "elastic": True}, "waits"),  # eval in training
+        ({"gen": 0, "call": 1, "closed": True, "elastic": True}, "waits"),
+        ({"gen": 2, "call": 1, "world": 3, "elastic": False}, "guest"),
+        ({"gen": 0, "call": 1, "closed": True, "elastic": False}, "exits"),
+        ({"gen": 0, "call": "x", "world": 3, "elastic": False}, "waits"),  # not a record
+        ({"gen": 0, "call": 1, "world": 3}, "waits"),  # older writer: assume elastic
+    ],
+)
+def test_a_joiner_helps_only_with_the_inference_of_a_job_that_admits_nobody(
+    rec: dict[str, object] | None, becomes: str
+) -> None:
+    from resilient_ddp import _guest, elastic
+    from resilient_ddp.config import ResilienceConfig
+
+    cfg = ResilienceConfig()
+
+    def look() -> object:
+        return elastic._inference_to_help(_Jobs(rec), CountingStore(), 7, "gloo", cfg)  # type: ignore[arg-type]
+
+    if becomes == "exits":
+        with pytest.raises(SystemExit) as exited:
+            look()
+        assert exited.value.code == 0
+        return
+    got = look()
+    if becomes == "waits":
+        assert got is None
+        return
+    assert isinstance(got, _guest.Guest)
+    assert (got.uid, got.generation, got.call, got.world_size) == (7, 2, 1, 3)

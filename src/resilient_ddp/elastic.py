@@ -1385,10 +1385,10 @@ def join(
     is waited out; one that fails because of this process counts against it, and it gives
     up after ``_MAX_JOIN_TRIES`` of them.
 
-    While the job runs a ``distributed_inference`` call instead (its ``inf/open`` record),
-    no member will admit anyone: this process returns a :class:`~._guest.Guest` of that
-    call (it helps with the work without a group). A call that has ended in a job that
-    does not train elastically leaves nothing to do: it exits with code 0.
+    While a job that does not train elastically runs a ``distributed_inference`` call
+    instead (its ``inf/open`` record), no member will ever admit anyone: this process
+    returns a :class:`~._guest.Guest` of that call (it helps with the work without a
+    group); once that call has ended, nothing is left to do: it exits with code 0.
 
     Raises:
         PreflightError: Not admitted within ``timeout`` (no job with
@@ -1477,11 +1477,11 @@ def _inference_to_help(
             not train elastically (nobody would ever admit it).
     """
     rec = jobs.inference()
-    if rec is None:
+    if rec is None or rec.get("elastic", True):
+        # Elastic training (the call is an evaluation inside it): the members admit
+        # replacements at a step boundary, which is what this process waits for.
         return None
     if rec.get("closed"):
-        if rec.get("elastic", True):
-            return None  # the members may admit it at a step boundary of their training
         log.warning(
             "joiner %d: the job's distributed_inference call %s ended before this process "
             "could help with it, and the job does not train elastically; exiting",

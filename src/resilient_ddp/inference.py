@@ -471,7 +471,16 @@ class _Pool:
                     rt.control.note_keys([plan_key, keys.next, keys.redo_n])
                 with contextlib.suppress(ResilientDDPError):  # replacements may help
                     assert jobs is not None
-                    jobs.open_inference({"gen": rt.generation, "call": call, "world": self.world})
+                    jobs.open_inference(
+                        {
+                            "gen": rt.generation,
+                            "call": call,
+                            "world": self.world,
+                            # Elastic training (an evaluation inside it): a replacement
+                            # waits for its admission at a step boundary instead.
+                            "elastic": rt.elastic is not None,
+                        }
+                    )
             else:
                 backoff = ctl.Backoff(self.world, 1)
                 while not store.check([plan_key]):
