@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 __all__: list[str] = []
 
@@ -69,12 +69,17 @@ class FakeClock:
         self.waits: list[float] = []  # every sleep's seconds, in order
         self.max_sleeps = max_sleeps
         self._actions: list[tuple[float, int, Callable[[], object]]] = []
+        self._scheduled = 0  # actions scheduled so far: their order among equal times
         self._lock = threading.Lock()
 
     def monotonic(self) -> float:
+        """:attr:`now`, in seconds. Never blocks."""
         return self.now
 
     def sleep(self, seconds: float) -> None:
+        """Record ``seconds`` (a negative value as 0) in :attr:`waits`, advance :attr:`now`
+        by it and run the actions now due, in the calling thread. Blocks only while they
+        run; raises what an action raises."""
         with self._lock:
             if len(self.waits) >= self.max_sleeps:
                 raise RuntimeError(f"FakeClock: more than {self.max_sleeps} sleeps")
@@ -90,15 +95,24 @@ class FakeClock:
         """Run ``action`` in the first sleep that reaches ``when`` (seconds on this clock),
         after the time moved; actions due together run in the order given."""
         with self._lock:
-            self._actions.append((when, len(self._actions), action))
+            self._actions.append((when, self._scheduled, action))
+            self._scheduled += 1
+
+    @property
+    def pending(self) -> int:
+        """How many scheduled actions have not run yet."""
+        return len(self._actions)
 
     def after(self, seconds: float, action: Callable[[], object]) -> None:
         """Run ``action`` in the first sleep that reaches ``seconds`` from now."""
         self.at(self.now + seconds, action)
 
 
+_C = TypeVar("_C", bound=Clock)
+
+
 @contextmanager
-def use(clock: Clock) -> Iterator[Clock]:
+def use(clock: _C) -> Iterator[_C]:
     """Make ``clock`` the one :func:`monotonic` and :func:`sleep` use, in every thread,
     until the block ends (then the one in use before it). For tests."""
     global _current
