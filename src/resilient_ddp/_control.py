@@ -87,6 +87,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import _clock
 from ._elastic_protocol import ack_key
 from .errors import ControlPlaneError, Culprit
 
@@ -962,7 +963,9 @@ class Backoff:
         return wait
 
     def sleep(self, until: float | None = None) -> None:
-        time.sleep(self.next_wait(time.monotonic(), until))
+        """Wait the next wait (see :meth:`next_wait`; ``until`` is a :func:`_clock.monotonic`
+        time) on the clock in use (:func:`_clock.use`). Blocks for that long."""
+        _clock.sleep(self.next_wait(_clock.monotonic(), until))
 
 
 # Key families a generation creates only for some ops (ControlPlane.note_keys).

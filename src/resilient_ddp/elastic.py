@@ -59,9 +59,9 @@ from typing import Any, Literal, TypeVar
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from . import _clock, _events
 from . import _control as ctl
 from . import _elastic_protocol as proto
-from . import _events
 from ._elastic_protocol import ElasticParticipant
 from ._guest import Guest
 from ._runtime import RECOVERY_PHASE, Runtime, phase
@@ -369,7 +369,7 @@ def recover(
         ControlPlaneError: The store stopped answering (its host died).
     """
     el = rt.elastic_state()
-    t0 = time.monotonic()
+    t0 = _clock.monotonic()
     if isinstance(cause, RankFailureError):
         rt.notify_failure(cause)  # if the failed op did not already
     rt.phase = RECOVERY_PHASE  # peers waiting for this rank's proposal see it coming
@@ -386,7 +386,7 @@ def recover(
     first_culprits = _culprits(rt) or list(getattr(cause, "culprits", None) or [])
     round_, candidates = 0, list(range(world))
     while True:
-        if time.monotonic() - t0 > budget:
+        if _clock.monotonic() - t0 > budget:
             rt.mark_raised()
             raise rt.notify_failure(
                 RankFailureError(
@@ -444,7 +444,7 @@ def recover(
     # Only the ranks the group lost: a timeout can also name a rank that merely gave up
     # first (it was recovering already, and is still a member).
     lost = [c for c in first_culprits if c.rank in dec["lost"]]
-    _record_shrink(rt, el, dec, lost, before, time.monotonic() - t0)
+    _record_shrink(rt, el, dec, lost, before, _clock.monotonic() - t0)
     return dec
 
 
@@ -603,7 +603,7 @@ def _agree(
     )
     jobs.post_proposal(base, mine.to_json())
     cfg = rt.config
-    deadline = time.monotonic() + cfg.op_timeout.total_seconds()
+    deadline = _clock.monotonic() + cfg.op_timeout.total_seconds()
     decided = f"{base}/d"
     count = _Tally(functools.partial(jobs.proposal_count, base))
     # A poll: the decision, the proposal count, and the watchdog's tick (poked: two).
@@ -619,7 +619,7 @@ def _agree(
         known = (gone, dead)
         if moved or changed:
             poll.reset()
-        if _may_decide(count.value, gone, candidates) or time.monotonic() >= deadline:
+        if _may_decide(count.value, gone, candidates) or _clock.monotonic() >= deadline:
             break
         # While proposals come in, the decision waits for them; once they stop, it may
         # wait for a failure report: the watchdog ticks now rather than at its interval.
@@ -686,7 +686,7 @@ def _await_decision(
     """
     cfg = rt.config
     margin = 2 * cfg.heartbeat_interval.total_seconds() + 1.0
-    until = time.monotonic() + _grace(cfg) + margin
+    until = _clock.monotonic() + _grace(cfg) + margin
     silent_before, _ = _gone(rt)
     poll = ctl.Backoff(ranks, 1)
     while True:
@@ -695,7 +695,7 @@ def _await_decision(
             return taken
         gone, dead = _gone(rt)
         failed = decider in dead or (decider in gone and decider not in silent_before)
-        if failed or time.monotonic() >= until:
+        if failed or _clock.monotonic() >= until:
             log.info(
                 "rank %d: rank %d claimed the decision under %s but %s; deciding here",
                 rt.rank,
@@ -759,7 +759,7 @@ def _decide_round(
                 props = proto.parse_proposals(jobs.proposals(base))
                 fresh = True
         waiting = [r for r in candidates if r not in props]
-        now = time.monotonic()
+        now = _clock.monotonic()
         decide, silent_since = proto.should_decide(
             waiting=waiting,
             gone=gone,
@@ -842,7 +842,7 @@ def _form(
     # Everyone posts "ready" first: a member that died after the decision is noticed here,
     # quickly, rather than by the backend's rendezvous timeout.
     jobs.post_ready(gen, rank)
-    deadline = time.monotonic() + timeout_s
+    deadline = _clock.monotonic() + timeout_s
     world = len(members)
     arrived = _Tally(functools.partial(jobs.ready_count, gen))
     looked_at: set[int] = set()  # dead old ranks whose arrival was read
@@ -869,7 +869,7 @@ def _form(
                 for i, old in enumerate(old_ranks or [])
                 if old in fresh and not jobs.ready(gen, [i])
             ]
-        if lost or time.monotonic() >= deadline:
+        if lost or _clock.monotonic() >= deadline:
             if not lost and jobs.ready(gen, range(world)):
                 break
             raise RankFailureError(
@@ -1019,7 +1019,7 @@ def maybe_admit(
     if el.committed < int(el.grow["at"]):
         return False
     grow = el.grow
-    t0 = time.monotonic()
+    t0 = _clock.monotonic()
     before, gen_from = rt.world_size, rt.generation
     saved = [(s, s.on_admission(grow["joiners"])) for s in el.live_samplers()]
     error: RankFailureError | None = None
@@ -1061,7 +1061,7 @@ def maybe_admit(
         el.join_seen = True  # more requests came meanwhile: look at the next forward
     else:
         _stop_looking(rt, el)
-    took = time.monotonic() - t0
+    took = _clock.monotonic() - t0
     fields = {
         "joiners": grow["joiners"],
         "world_size_before": before,
@@ -1099,7 +1099,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
         jobs.post_has_state(gen, rank)
     else:
         jobs.decide(result, {"ok": False})
-    deadline = time.monotonic() + _form_timeout(rt.config)
+    deadline = _clock.monotonic() + _form_timeout(rt.config)
     confirmed = _Tally(functools.partial(jobs.has_state_count, gen))
     missing: list[int] | None = None  # who had not confirmed at the last look (past the deadline)
     poll = ctl.Backoff(world, 2)
@@ -1111,7 +1111,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
             if confirmed.value >= world and jobs.all_have_state(gen, world):
                 jobs.decide(result, {"ok": True})
                 continue
-        if time.monotonic() < deadline:
+        if _clock.monotonic() < deadline:
             poll.sleep(deadline)
             continue
         # A confirmation stays: after the first look, only the ranks still missing are
@@ -1125,7 +1125,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
             # for while its heartbeat says so; one that dies or hangs is reported by the
             # watchdogs (heartbeat_timeout), and its own transfer is bounded by op_timeout
             # per chunk.
-            deadline = time.monotonic() + 0.1
+            deadline = _clock.monotonic() + 0.1
         else:
             jobs.decide(result, {"ok": False})
     return bool(taken.get("ok"))
@@ -1230,7 +1230,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         first_gen, first_c = el.first_ack
         if first_gen == rt.generation and el.committed <= first_c:
             return False  # no admission can be at this boundary
-        now = time.monotonic()
+        now = _clock.monotonic()
         if now >= recheck:
             # Nothing left to admit (a joiner gave up or was admitted): no member can decide
             # from this round any more, since the decider reads the pending requests after
@@ -1242,7 +1242,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         if round_n != n:
             round_n, deadline = n, now + _form_timeout(rt.config)
         rt.raise_if_failed("forward", rt.seq + 1)
-        if time.monotonic() >= deadline:
+        if _clock.monotonic() >= deadline:
             # The records themselves, not their count (it can lag them).
             bound = jobs.ack_bound(rt.generation, n, rt.world_size)
             if bound is not None:
@@ -1409,7 +1409,7 @@ def join(
     identity = ctl.my_identity(-1)
     jobs.request_join({"uid": uid, "host": identity["host"], "pid": identity["pid"]})
     requested = time.time()
-    deadline = time.monotonic() + timeout.total_seconds()
+    deadline = _clock.monotonic() + timeout.total_seconds()
     tried_gen, failures = -1, 0
     next_look = 0.0
     while True:
@@ -1425,7 +1425,7 @@ def join(
                 f"{_MAX_JOIN_TRIES} of its admissions in time, and the members gave up",
                 problems=["joiner not admitted"],
             )
-        if time.monotonic() >= deadline:
+        if _clock.monotonic() >= deadline:
             raise PreflightError(
                 f"this process (member id {uid}) asked to join the running job but was not "
                 f"admitted within {timeout}: is a job with on_failure='shrink' running on "
@@ -1436,7 +1436,7 @@ def join(
             )
         adm = jobs.admission_for(uid)
         if adm is None or adm["gen"] == tried_gen:
-            time.sleep(0.01)
+            _clock.sleep(0.01)
             continue
         tried_gen = adm["gen"]
         if not _await_members(jobs, adm, deadline, uid):
@@ -1593,7 +1593,7 @@ def _await_members(jobs: ctl.JobStore, adm: dict[str, Any], deadline: float, uid
             if arrived.value >= n_old and jobs.ready(gen, range(n_old)):
                 return True
         _check_ended(jobs, uid)
-        if time.monotonic() >= deadline:
+        if _clock.monotonic() >= deadline:
             return jobs.ready(gen, range(n_old))  # the flags: a count can lag them
         # Generation numbers only grow: a newer one than the admission's base means the
         # members recovered from a failure instead of reaching the admission step.
