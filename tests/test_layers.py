@@ -181,3 +181,22 @@ def test_the_scan_sees_top_level_deferred_and_typing_imports(
     path.write_text(source)
     modules = {"_runtime", "errors", "ddp", "collectives", "integrations._common", "m"}
     assert _imports("m", path, modules) == expected
+
+
+def test_the_architecture_page_lists_the_same_layers_and_debt() -> None:
+    """docs/architecture.md is kept honest: its layer table names every module in its
+    layer, and its debt table is ``KNOWN_UPWARD``."""
+    import re
+
+    page = (PKG.parent.parent / "docs" / "architecture.md").read_text()
+    debt = set(re.findall(r"^\| `([\w.]+)` -> `([\w.]+)` \|", page, re.MULTILINE))
+    assert debt == KNOWN_UPWARD
+    rows = re.findall(r"^\| (\d)\. [^|]+\| ([^|]+) \|", page, re.MULTILINE)
+    listed = {
+        name.removesuffix(".*"): int(level)
+        for level, names in rows
+        for name in re.findall(r"`([\w.*]+)`", names)
+    }
+    expected = {n: lv for n, lv in LAYERS.items() if not n.startswith("integrations.")}
+    expected.pop("__main__")
+    assert listed == expected
