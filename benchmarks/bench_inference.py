@@ -171,18 +171,17 @@ def simulate(costs: list[float], world: int, batch: int) -> dict[str, float]:
         )
         for r in range(world)
     ]
-    size = wp.default_chunk_size(n, world, batch)
 
-    def pulled(chunk: int, with_costs: bool) -> float:
-        plan = wp.plan_chunks(n, chunk, costs if with_costs else None)
+    def pulled(chunk: int | None, with_costs: bool) -> float:
+        plan = wp.plan(n, chunk, world, batch, costs if with_costs else None)
         return sim_pulled([sum(costs[i] for i in c.items) for c in plan], world)
 
     return {
         "static_nocost": sim_static(costs, shares_nc),
         "static_cost": sim_static(costs, shares_c),
-        "pulled_nocost": pulled(size, False),
+        "pulled_nocost": pulled(None, False),  # the default plan: tapered
         "pulled_small": pulled(batch, False),
-        "pulled_cost": pulled(size, True),
+        "pulled_cost": pulled(None, True),
     }
 
 

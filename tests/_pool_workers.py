@@ -332,3 +332,67 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+GUEST_AT = 16  # rank 1 dies in its first batch past this item
+GUEST_HOLD = 64  # ranks 0 and 2 run no item past this one before the replacement worked
+
+
+def pool_guest(rank: int, flags: str, late: bool = False) -> Any:
+    """Rank 1 is killed early; ``rd.spawn(restarts=1)`` starts a replacement, which must
+    help with the running call (as a guest). Ranks 0 and 2 hold any batch past
+    ``GUEST_HOLD`` until the replacement has run a batch (a file flag; they mark progress
+    meanwhile), so it always finds work, whatever the machine's load.
+
+    ``late``: rank 1 dies in its first batch of the last three chunks instead (the others
+    hold those until it fired), and nobody waits for the replacement: the call is over
+    long before it has started, and it must end with code 0."""
+    joiner = os.environ.get("RESILIENT_DDP_JOINER", "") not in ("", "0")
+    guest_flag, fired, done = Path(flags) / "guest", Path(flags) / "fired", Path(flags) / "done"
+    if late and joiner:
+        # Pinned: the replacement asks to join only once rank 0 has its results.
+        deadline = time.monotonic() + 45
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    _init(FAST)
+    at = N - 3 * CHUNK if late else GUEST_AT  # 3 chunks: ranks 0 and 2 hold one each
+    try:
+
+        def hold(flag: Path) -> None:
+            deadline = time.monotonic() + 45
+            while not flag.exists() and time.monotonic() < deadline:
+                rd.progress()
+                time.sleep(0.005)
+
+        def fn(batch: torch.Tensor) -> torch.Tensor:
+            top = int(batch[:, 0].max())
+            if rank == 1 and not joiner and top >= at:
+                fired.write_text(str(os.getpid()))
+                kill_self()
+            if joiner:
+                guest_flag.write_text(str(os.getpid()))
+                # Slower than rank 0's looks (every heartbeat interval): it is seen holding
+                # a ticket (a look that read a state it has not got would block).
+                time.sleep(3 * FAST["heartbeat_interval"])
+            elif late and top >= at:
+                hold(fired)
+            elif not late and top >= GUEST_HOLD:
+                hold(guest_flag)
+            time.sleep(ITEM_S * batch.shape[0])
+            return batch * 3 + 1
+
+        out = rd.distributed_inference(
+            fn, Numbers(N), batch_size=BATCH, chunk_size=CHUNK, progress=False
+        )
+        if joiner:
+            try:
+                rd.barrier()
+            except rd.ConfigError as e:
+                no_group = str(e)
+            return {"guest": True, "none": out is None, "no_group": no_group}
+        if rank != 0:
+            return {"none": out is None}
+        done.write_text("1")
+        return {**check(out, N), "summary": summary_dict(rd.last_inference_summary())}
+    finally:
+        rd.destroy_process_group()

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -38,9 +33,10 @@ from resilient_ddp._elastic_protocol import (
     should_decide,
 )
 from resilient_ddp.elastic_sampler import ElasticBatchSampler
-from resilient_ddp.errors import ControlPlaneError, RankFailureError
+from resilient_ddp.errors import ControlPlaneError
 
 from ._counting_store import CountingStore
+from ._fake_runtime import fake_runtime
 
 NEXT_GEN = 7
 
@@ -1039,75 +1035,8 @@ def test_pending_joiners_asks_only_about_ids_in_question() -> None:
     assert asked == [1000001]
 
 
-# -- wait loops: one counter a poll, whatever the number of ranks ------------------------------
-# Every rank of a job polls these loops at once, on one store: a poll must cost each rank a
-# fixed number of requests (a counter, a decision key), not one key (or log line) per rank.
-def _rt(
-    root: Any,
-    world: int,
-    rank: int = 0,
-    dead: tuple[int, ...] = (),
-    *,
-    op_timeout: float = 5,
-    interval: float = 0.2,
-) -> Any:
-    """The parts of a ``Runtime`` that the wait loops use; no watchdog: the failures it
-    would have recorded are given (``dead``: crashed ranks)."""
-    cfg = SimpleNamespace(
-        op_timeout=timedelta(seconds=op_timeout),
-        heartbeat_timeout=timedelta(seconds=5),
-        heartbeat_interval=timedelta(seconds=interval),
-        min_world_size=1,
-    )
-    return SimpleNamespace(
-        rank=rank,
-        world_size=world,
-        generation=0,
-        config=cfg,
-        control_root=root,
-        watchdog=None,
-        lock=threading.RLock(),
-        failures=[{"kind": "crash", "rank": r} for r in dead],
-        left={},
-    )
-
-
-def test_backoff_grows_to_its_cap_resets_and_keeps_to_the_deadline() -> None:
-    poll = ctl.Backoff(4, 2)
-    waits = [poll.next_wait(0.0) for _ in range(8)]
-    assert waits[:3] == pytest.approx([0.005, 0.0075, 0.01125])
-    assert waits == sorted(waits)
-    assert waits[-1] == pytest.approx(0.05)
-    poll.reset()
-    assert poll.next_wait(0.0) == pytest.approx(0.005)
-    # Never past `until` (but not below the first wait: no busy loop at a deadline).
-    assert poll.next_wait(10.0, until=10.002) == pytest.approx(0.005)
-    assert poll.next_wait(10.0, until=10.004) == pytest.approx(0.005)
-    assert ctl.Backoff(4, 2).next_wait(10.0, until=9.0) == pytest.approx(0.005)
-
-
-def test_backoff_keeps_every_rank_together_under_the_store_rate() -> None:
-    for ranks, requests in [(8, 1), (250, 2), (1024, 2), (4096, 4)]:
-        poll = ctl.Backoff(ranks, requests)
-        waits = [poll.next_wait(0.0) for _ in range(20)]
-        assert ranks * requests / min(waits) <= ctl.POLL_RATE + 1e-6
-        assert max(waits) == pytest.approx(max(ctl.POLL_MAX_S, waits[0]))
-    # Few ranks: the latency of a shrink or formation stays small.
-    assert ctl.Backoff(32, 2).next_wait(0.0) == pytest.approx(ctl.POLL_FIRST_S)
-
-
-def test_tally_moves_on_the_first_read_and_on_each_change() -> None:
-    jobs = ctl.JobStore(dist.HashStore())
-    tally = elastic._Tally(lambda: jobs.ready_count(3))
-    assert tally.moved()
-    assert tally.value == 0  # read, never bumped: 0
-    assert not tally.moved()
-    jobs.post_ready(3, 1)
-    assert tally.moved()
-    assert tally.value == 1
-    assert not tally.moved()
-
-
+# -- store reads of few requests, whatever the number of ranks --------------------------------
+# (The wait loops themselves are tested on a fake clock in test_wait_loops.py.)
 def test_present_names_the_missing_keys_in_few_requests() -> None:
     rng = random.Random(5)
     store = CountingStore(dist.HashStore())
@@ -1145,126 +1074,6 @@ def test_missing_state_rereads_only_the_ranks_asked_about() -> None:
     assert not jobs.all_have_state(7, 5)
 
 
-def _members_arrive(others: ctl.JobStore, gen: int, ranks: list[int]) -> None:
-    for r in ranks:
-        others.post_ready(gen, r)
-
-
-def test_form_polls_one_counter_and_reads_the_flags_once_all_arrived(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    base = dist.HashStore()
-    store = CountingStore(base)
-    rt = _rt(store, 4)
-    rebuilt: list[tuple[int, int, list[int]]] = []
-    monkeypatch.setattr(elastic, "_rebuild", lambda rt, g, r, m: rebuilt.append((g, r, m)))
-    el = SimpleNamespace(uid=0, grow="x", acked=(0, 0))
-    others = ctl.JobStore(base)
-    _members_arrive(others, 9, [1, 2])
-    with ThreadPoolExecutor(1) as pool:
-        formed = pool.submit(elastic._form, rt, el, 9, [0, 1, 2, 3], [0, 1, 2, 3])  # type: ignore[arg-type]
-        time.sleep(0.3)
-        # Counters are read with compare_set (an add on a value that is not a number
-        # breaks the connection); its own arrival is one, before its add.
-        polls = store.count("compare_set") - 1
-        assert store.count("add") == 1  # its own arrival
-        assert store.count("check") == 0, store.calls  # no flag read: not all counted
-        assert 2 <= polls <= 25, polls  # backing off: 5 ms, growing to 50 ms
-        assert {n for n, _ in store.calls} == {"set", "add", "compare_set"}
-        others.post_ready(9, 3)
-        formed.result(timeout=10)
-    assert rebuilt == [(9, 0, [0, 1, 2, 3])]
-    assert store.wide_checks() == 1  # the four flags, once
-    assert (el.grow, el.acked) == (None, (-1, -1))
-
-
-def test_form_gives_up_at_once_on_a_member_dead_before_arriving(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    base = dist.HashStore()
-    store = CountingStore(base)
-    rt = _rt(store, 4, dead=(2,))
-    monkeypatch.setattr(elastic, "_rebuild", lambda *a: pytest.fail("formed without rank 2"))
-    _members_arrive(ctl.JobStore(base), 9, [1, 3])
-    el = SimpleNamespace(uid=0, grow=None, acked=(0, 0))
-    t0 = time.monotonic()
-    with pytest.raises(RankFailureError, match=r"member\(s\) \[2\] did not arrive"):
-        elastic._form(rt, el, 9, [0, 1, 2, 3], [0, 1, 2, 3])  # type: ignore[arg-type]
-    assert time.monotonic() - t0 < 1.0
-    assert store.count("check") == 1  # the dead member's flag alone
-
-
-def test_form_looks_at_a_dead_member_that_arrived_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A member that died after arriving is not given up on at once (as before): its flag is
-    read once, not on every poll, and the group forms when the others arrive."""
-    base = dist.HashStore()
-    store = CountingStore(base)
-    rt = _rt(store, 4, dead=(1,))
-    rebuilt: list[int] = []
-    monkeypatch.setattr(elastic, "_rebuild", lambda rt, g, r, m: rebuilt.append(g))
-    others = ctl.JobStore(base)
-    _members_arrive(others, 9, [1, 2])
-    el = SimpleNamespace(uid=0, grow=None, acked=(0, 0))
-    with ThreadPoolExecutor(1) as pool:
-        formed = pool.submit(elastic._form, rt, el, 9, [0, 1, 2, 3], [0, 1, 2, 3])  # type: ignore[arg-type]
-        time.sleep(0.2)
-        assert store.count("check", lambda keys: keys == ["form/g9/1"]) == 1
-        rt.failures.append({"kind": "exception", "rank": 2})  # another one dies, arrived
-        time.sleep(0.2)
-        assert store.count("check", lambda keys: keys == ["form/g9/2"]) == 1
-        others.post_ready(9, 3)
-        formed.result(timeout=10)
-    assert rebuilt == [9]
-    assert store.count("check", lambda keys: len(keys) == 1) == 2
-
-
-def test_agree_reads_the_proposal_log_only_when_a_decision_may_be_due() -> None:
-    base = dist.HashStore()
-    store = CountingStore(base)
-    rt = _rt(store, 3)
-    others = ctl.JobStore(base)
-    others.post_proposal("rec/g0/r0", P(1).to_json())
-    el = SimpleNamespace(uid=0, committed=5, members=list(range(3)))
-
-    def log_reads() -> int:
-        return store.count("get", lambda key: key == "rec/g0/r0/log")
-
-    with ThreadPoolExecutor(1) as pool:
-        agreed = pool.submit(elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2], "reduce", True, (0, 3))  # type: ignore[arg-type]
-        time.sleep(0.3)
-        assert log_reads() == 0, store.calls  # rank 2 is not gone: no decision is due
-        # A poll: the decision (one check) and the proposal count (one add).
-        polls = store.count("check", lambda keys: keys == ["rec/g0/r0/d"])
-        assert 2 <= polls <= 25, polls
-        # Counters are read with compare_set; + its own proposal's count (then one add).
-        assert store.count("compare_set") == polls + 1
-        assert store.count("add") == 1
-        others.post_proposal("rec/g0/r0", P(2).to_json())
-        dec = agreed.result(timeout=10)
-    assert (dec["members"], dec["outcome"]) == ([0, 1, 2], "redo"), dec
-    assert log_reads() == 1  # once all proposed: it decides from that read
-
-
-def test_agree_goes_on_without_a_dead_rank_once_the_others_proposed() -> None:
-    base = dist.HashStore()
-    store = CountingStore(base)
-    rt = _rt(store, 5, dead=(4,))
-    others = ctl.JobStore(base)
-    for r in (1, 2):
-        others.post_proposal("rec/g0/r0", P(r).to_json())
-    el = SimpleNamespace(uid=0, committed=5, members=list(range(5)))
-    with ThreadPoolExecutor(1) as pool:
-        agreed = pool.submit(
-            elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2, 3, 4], "reduce", True, (0, 5)
-        )  # type: ignore[arg-type]
-        time.sleep(0.2)
-        assert store.count("get", lambda key: key == "rec/g0/r0/log") == 0
-        assert not agreed.done()
-        others.post_proposal("rec/g0/r0", P(3).to_json())
-        dec = agreed.result(timeout=10)
-    assert (dec["members"], dec["lost"]) == ([0, 1, 2, 3], [4]), dec
-
-
 @pytest.mark.parametrize(
     ("count", "gone", "want"),
     [
@@ -1280,27 +1089,6 @@ def test_may_decide(count: int, gone: set[int], want: bool) -> None:
     assert elastic._may_decide(count, gone, [0, 1, 2, 3, 4]) is want
 
 
-def test_agree_decides_from_the_log_when_a_count_lags_it() -> None:
-    """A proposer that died between its line and its count: its proposal is not read while
-    waiting (not counted), but the decision, once it is known dead, includes it, as when
-    every poll read the log."""
-    base = dist.HashStore()
-    rt = _rt(base, 3)
-    others = ctl.JobStore(base)
-    others.post_proposal("rec/g0/r0", P(1).to_json())
-    el = SimpleNamespace(uid=0, committed=5, members=list(range(3)))
-    with ThreadPoolExecutor(1) as pool:
-        agreed = pool.submit(elastic._agree, rt, el, "rec/g0/r0", [0, 1, 2], "reduce", True, (0, 3))  # type: ignore[arg-type]
-        time.sleep(0.2)
-        others._append("rec/g0/r0/log", P(2).to_json())  # and it dies: no count
-        time.sleep(0.2)
-        assert not agreed.done()
-        with rt.lock:
-            rt.failures.append({"kind": "crash", "rank": 2})
-        dec = agreed.result(timeout=10)
-    assert dec["members"] == [0, 1, 2], dec
-
-
 def test_members_read_an_admission_that_does_not_grow_with_the_world() -> None:
     """The decider stores the admission without the member list (every member has its
     own); each member derives the same admission from it, the joiner gets the whole one
@@ -1313,7 +1101,7 @@ def test_members_read_an_admission_that_does_not_grow_with_the_world() -> None:
         jobs.init_joins()
         jobs.request_join({"uid": 1000001, "host": "h", "pid": 1})
         decider = elastic.Elastic(uid=0, members=list(range(world)))
-        assert elastic._decide(_rt(root, world), decider, jobs, "grow/g0", 4)
+        assert elastic._decide(fake_runtime(root, world), decider, jobs, "grow/g0", 4)
         want = {
             "at": 5,
             "joiners": [1000001],
@@ -1333,40 +1121,6 @@ def test_members_read_an_admission_that_does_not_grow_with_the_world() -> None:
         assert jobs.admission_for(1000001) == {**want, "rank": world}
     assert sizes[1024] <= sizes[8] + 3, sizes  # the digits of the world size
     assert sizes[1024] < 200, sizes
-
-
-def test_admission_result_reads_the_confirmations_once_all_counted() -> None:
-    base = dist.HashStore()
-    store = CountingStore(base)
-    rt = _rt(store, 3)
-    others = ctl.JobStore(base)
-    others.post_has_state(7, 1)
-    adm = {"gen": 7, "members": [0, 1, 2]}
-    with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(elastic._admission_result, rt, adm, 0, ok=True)  # type: ignore[arg-type]
-        time.sleep(0.3)
-        assert (store.count("multi_get"), store.wide_checks()) == (0, 0)
-        others.post_has_state(7, 2)
-        assert result.result(timeout=10) is True
-    assert (store.count("multi_get"), store.wide_checks()) == (1, 1)
-
-
-def test_acks_bound_is_read_once_every_member_is_counted() -> None:
-    base = dist.HashStore()
-    store = CountingStore(base)
-    jobs = ctl.JobStore(store)  # type: ignore[arg-type]
-    rt = _rt(store, 3)
-    acks = elastic._Tally(lambda: jobs.ack_count(0, 2))
-    poll = ctl.Backoff(3, 4)
-    jobs.ack(0, 2, 0, 5)
-    jobs.ack(0, 2, 1, 6)
-    assert elastic._acks_bound(rt, jobs, 2, acks, poll) is None
-    assert elastic._acks_bound(rt, jobs, 2, acks, poll) is None
-    assert store.wide_checks() == 0
-    jobs.ack(0, 2, 2, 5)
-    assert elastic._acks_bound(rt, jobs, 2, acks, poll) == 6
-    assert elastic._acks_bound(rt, jobs, 2, acks, poll) is None  # read once
-    assert store.wide_checks() == 1
 
 
 def test_forgetting_a_generation_deletes_its_arrival_counters() -> None:

@@ -341,3 +341,48 @@ def test_results_over_the_stores_value_limit_arrive_whole() -> None:
     assert sum(v["per_rank"].values()) == 120, v
     assert outcomes[1].value == {"none": True}, report
     assert outcomes[2].value == {"none": True}, report
+
+
+def test_a_replacement_started_by_spawn_helps_with_the_running_call(tmp_path: Path) -> None:
+    """``rd.spawn(restarts=1)``: rank 1 dies early; its replacement finds the running call
+    (no member admits anyone during inference), pulls chunks beside ranks 0 and 2 without
+    joining the group, and ends with code 0; every result arrives once, in order."""
+    outcomes = run_ranks(
+        w.pool_guest, 3, (str(tmp_path),), timeout=DEADLINE, grace=GRACE, restarts=1
+    )
+    report = format_outcomes(outcomes)
+    assert [o.exitcode for o in outcomes] == [0, 0, 0], report
+    assert [p.exitcode for p in outcomes[1].previous] == [-9], report
+    v = outcomes[0].value
+    assert v["ok"], report
+    assert v["n"] == w.N, report
+    s = v["summary"]
+    helpers = {k: n for k, n in s["per_rank"].items() if k >= 3}
+    assert len(helpers) == 1, s["text"]
+    assert next(iter(helpers.values())) > 0, s["text"]
+    assert sum(s["per_rank"].values()) == w.N, s["text"]  # each item delivered once
+    assert list(s["failed_ranks"]) == [1], s["text"]
+    assert "(replacement)" in s["text"], s["text"]
+    g = outcomes[1].value
+    assert g["guest"], report
+    assert g["none"], report
+    # Anything but inference needs the group, which a helper never joined: said plainly.
+    assert "without joining the process group" in g["no_group"], g
+
+
+def test_a_replacement_that_comes_after_the_call_ended_exits_cleanly(tmp_path: Path) -> None:
+    """Rank 1 dies in the last chunks; the call ends before its replacement has started:
+    nobody will admit it (the job does not train elastically), so it exits with code 0
+    instead of waiting out its join timeout, and the job succeeds."""
+    outcomes = run_ranks(
+        w.pool_guest, 3, (str(tmp_path), True), timeout=DEADLINE, grace=GRACE, restarts=1
+    )
+    report = format_outcomes(outcomes)
+    assert (tmp_path / "fired").exists(), report
+    assert [o.exitcode for o in outcomes] == [0, 0, 0], report
+    assert [p.exitcode for p in outcomes[1].previous] == [-9], report
+    assert outcomes[1].value is None, report  # it left from init_process_group
+    v = outcomes[0].value
+    assert v["ok"], report
+    assert v["n"] == w.N, report
+    assert list(v["summary"]["failed_ranks"]) == [1], v["summary"]["text"]

@@ -83,6 +83,41 @@ def test_plan_rejects_bad_arguments() -> None:
         wp.plan_chunks(2, 1, [1.0, float("nan")])
 
 
+@pytest.mark.parametrize(
+    ("n", "world", "batch", "expect"),
+    [
+        # 100 items, 2 ranks, batches of 4: largest 8 (ceil(100 / 16) = 7 -> 8); the share
+        # is left / (2 x 2 ranks) in whole batches: 8 while more than 16 are left (100, 92,
+        # ..., 20: eleven chunks), then 12 -> 4, 8 -> 4, 4 -> 4.
+        (100, 2, 4, [8] * 11 + [4] * 3),
+        (10, 4, 8, [8, 2]),  # at least one batch; the last takes what is left
+        (0, 3, 4, []),
+    ],
+)
+def test_tapered_sizes_shrink_to_a_batch_as_the_work_runs_out(
+    n: int, world: int, batch: int, expect: list[int]
+) -> None:
+    largest = wp.default_chunk_size(n, world, batch) if n else batch
+    assert wp.tapered_sizes(n, world, batch, largest) == expect
+
+
+def test_the_default_plan_tapers_and_covers_every_item_once_in_order() -> None:
+    chunks = wp.plan(2000, None, 4, 4)
+    sizes = [len(c.items) for c in chunks]
+    assert [i for c in chunks for i in c.items] == list(range(2000))
+    assert sizes[0] == wp.default_chunk_size(2000, 4, 4) == 64
+    assert sizes == sorted(sizes, reverse=True)  # never grows
+    assert sizes[-4:] == [4, 4, 4, 4]  # one batch each at the very end
+    left = 2000
+    for size in sizes:  # none holds more than the items left over 2 x ranks (whole batches)
+        assert size <= max(4, -(-left // (wp.TAPER * 4) // 4) * 4 + 4)
+        left -= size
+    # A chunk size given, or costs: the plan is plan_chunks's, unchanged.
+    assert wp.plan(2000, 50, 4, 4) == wp.plan_chunks(2000, 50)
+    costs = [float(i % 13) for i in range(2000)]
+    assert wp.plan(2000, None, 4, 4, costs) == wp.plan_chunks(2000, 64, costs)
+
+
 def test_default_chunk_size_is_whole_batches_and_several_chunks_per_rank() -> None:
     assert wp.default_chunk_size(1000, 4, 8) == 32  # 1000 / 32 = 31.25 -> 32 (4 batches)
     assert wp.default_chunk_size(10, 4, 8) == 8  # at least one batch
@@ -455,3 +490,47 @@ def test_invalid_arguments_are_config_errors() -> None:
         rd.distributed_inference(
             lambda b: b, data, batch_size=1, on_rank_failure="raise", output_dir="x"
         )
+
+
+class _Jobs:
+    def __init__(self, rec: dict[str, object] | None) -> None:
+        self.rec = rec
+
+    def inference(self) -> dict[str, object] | None:
+        return self.rec
+
+
+@pytest.mark.parametrize(
+    ("rec", "becomes"),
+    [
+        (None, "waits"),  # no call ran: an admission may come
+        ({"gen": 0, "call": 1, "world": 3, "elastic": True}, "waits"),  # eval in training
+        ({"gen": 0, "call": 1, "closed": True, "elastic": True}, "waits"),
+        ({"gen": 2, "call": 1, "world": 3, "elastic": False}, "guest"),
+        ({"gen": 0, "call": 1, "closed": True, "elastic": False}, "exits"),
+        ({"gen": 0, "call": "x", "world": 3, "elastic": False}, "waits"),  # not a record
+        ({"gen": 0, "call": 1, "world": 3}, "waits"),  # older writer: assume elastic
+    ],
+)
+def test_a_joiner_helps_only_with_the_inference_of_a_job_that_admits_nobody(
+    rec: dict[str, object] | None, becomes: str
+) -> None:
+    from resilient_ddp import _guest, elastic
+    from resilient_ddp.config import ResilienceConfig
+
+    cfg = ResilienceConfig()
+
+    def look() -> object:
+        return elastic._inference_to_help(_Jobs(rec), CountingStore(), 7, "gloo", cfg)  # type: ignore[arg-type]
+
+    if becomes == "exits":
+        with pytest.raises(SystemExit) as exited:
+            look()
+        assert exited.value.code == 0
+        return
+    got = look()
+    if becomes == "waits":
+        assert got is None
+        return
+    assert isinstance(got, _guest.Guest)
+    assert (got.uid, got.generation, got.call, got.world_size) == (7, 2, 1, 3)

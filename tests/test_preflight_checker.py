@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import preflight
+from resilient_ddp import _clock, preflight
 from resilient_ddp.errors import PreflightError
 from resilient_ddp.preflight import Environment
 
 from ._counting_store import CountingStore
+from ._fake_runtime import backoff_waits
 
 PREFIX = "rd/preflight"
 
@@ -156,22 +157,32 @@ def test_the_facts_are_read_once_in_all_and_every_key_is_deleted() -> None:
 def test_a_waiting_rank_polls_one_key() -> None:
     base = dist.HashStore()
     store = CountingStore(base)
-    with ThreadPoolExecutor(1) as pool:
-        deadline = time.monotonic() + 20
-        waiting = pool.submit(preflight._exchange, store, env_of(1, 2), facts_of(1), deadline)  # type: ignore[arg-type]
-        time.sleep(0.3)
-        polls = store.count("check")
-        assert 2 <= polls <= 25, polls
-        assert store.wide_checks() == 0
-        assert store.count("check", lambda keys: keys == [f"{PREFIX}/0/verdict"]) == polls
-        assert store.count("add") == 1  # its arrival; never the count
-        assert store.count("get") == store.count("multi_get") == 0
-        # Rank 0 arrives and checks.
-        assert preflight._exchange(base, env_of(0, 2), facts_of(0), deadline) == {
-            0: facts_of(0),
-            1: facts_of(1),
+    seen: dict[str, Any] = {}
+
+    def rank_0_arrives_and_checks() -> None:
+        seen.update(calls=list(store.calls))
+        seen["table"] = preflight._exchange(base, env_of(0, 2), facts_of(0), deadline)
+
+    # On a fake clock: rank 0 comes 300 ms on, in rank 1's 10th wait (5 ms, growing by 1.5
+    # a poll to 50 ms: 103.9 ms in 6 waits, then 50 ms each; the 10th ends at 303.9 ms).
+    with _clock.use(_clock.FakeClock()) as clock:
+        deadline = clock.monotonic() + 20
+        clock.after(0.3, rank_0_arrives_and_checks)
+        assert preflight._exchange(store, env_of(1, 2), facts_of(1), deadline) == {  # type: ignore[arg-type]
+            1: facts_of(1)
         }
-        assert waiting.result(timeout=10) == {1: facts_of(1)}
+    assert clock.waits == pytest.approx(backoff_waits(10))
+    assert seen["table"] == {0: facts_of(0), 1: facts_of(1)}
+    # Before rank 0 came: its own arrival (the facts, then the count: compare_set checks it
+    # is a number, then add), then one key a poll (the verdict); never the count.
+    verdict = [f"{PREFIX}/0/verdict"]
+    assert seen["calls"][:3] == [
+        ("set", f"{PREFIX}/0/1"),
+        ("compare_set", f"{PREFIX}/0/n"),
+        ("add", f"{PREFIX}/0/n"),
+    ]
+    assert seen["calls"][3:] == [("check", verdict)] * 10
+    assert store.count("check") == 11  # and the poll that found it
     assert store.count("get") == 1  # the verdict
 
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,13 +15,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import preflight
+from resilient_ddp import _clock, preflight
 from resilient_ddp.errors import PreflightError
 from resilient_ddp.preflight import Environment, check_environment
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _preflight_workers as w
 from ._counting_store import CountingStore
+from ._fake_runtime import backoff_waits
 
 DEADLINE = timedelta(seconds=40)
 
@@ -211,19 +211,25 @@ def test_the_checker_polls_a_counter_and_reads_the_facts_once_everyone_arrived()
     base = dist.HashStore()
     store = CountingStore(base)
     _arrive(base, 1)
-    with ThreadPoolExecutor(1) as pool:
-        deadline = time.monotonic() + 20
-        table = pool.submit(preflight._exchange, store, _env(0, 3), {"host": "h0"}, deadline)  # type: ignore[arg-type]
-        time.sleep(0.3)
-        # Rank 0's poll: the count (compare_set, which never breaks the connection on a
-        # value that is not a number, as add would) and the verdict (one key); no rank's.
-        assert store.count("check", lambda keys: len(keys) > 1) == 0, store.calls
-        polls = store.count("check")
-        assert 2 <= polls <= 25, polls
-        assert store.count("compare_set") == polls + 1  # + its own arrival
-        assert store.count("add") == 1  # its own arrival
+    seen: list[tuple[str, Any]] = []
+
+    def rank_2_arrives() -> None:
+        seen.extend(store.calls)
         _arrive(base, 2)
-        got = table.result(timeout=10)
+
+    # On a fake clock: rank 2 comes 300 ms on, in rank 0's 10th wait (5 ms, growing by 1.5
+    # a poll to 50 ms: 103.9 ms in 6 waits, then 50 ms each; the 10th ends at 303.9 ms).
+    with _clock.use(_clock.FakeClock()) as clock:
+        deadline = clock.monotonic() + 20
+        clock.after(0.3, rank_2_arrives)
+        got = preflight._exchange(store, _env(0, 3), {"host": "h0"}, deadline)  # type: ignore[arg-type]
+    assert clock.waits == pytest.approx(backoff_waits(10))
+    # Rank 0's poll: the count (compare_set, which never breaks the connection on a value
+    # that is not a number, as add would) and the verdict (one key); no rank's.
+    checks = [keys for n, keys in seen if n == "check"]
+    assert checks == [["rd/preflight/0/verdict"]] * 10, seen
+    assert sum(n == "compare_set" for n, _ in seen) == 10 + 1  # + its own arrival
+    assert sum(n == "add" for n, _ in seen) == 1  # its own arrival
     assert sorted(got) == [0, 1, 2]
     assert got[2] == {"host": "h2"}
     assert store.count("check", lambda keys: len(keys) == 3) == 1  # all there

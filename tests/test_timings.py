@@ -183,6 +183,10 @@ def _is_constant(node: ast.expr) -> bool:
     return False
 
 
+#: Operators that compute a number (``changed |= f(timeout)`` computes a flag).
+_ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+
+
 class _Scan(ast.NodeVisitor):
     def __init__(self, path: str, tree: ast.Module) -> None:
         self.path = path
@@ -258,13 +262,15 @@ class _Scan(ast.NodeVisitor):
         return True
 
     def visit_BinOp(self, node: ast.BinOp) -> None:
-        if self._arithmetic(node, node.left, node.right):
+        if isinstance(node.op, _ARITHMETIC) and self._arithmetic(node, node.left, node.right):
             self._flag(node)
             return  # one finding per formula
         self.generic_visit(node)
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
-        if self._arithmetic(node.value, node.target, node.value):
+        if isinstance(node.op, _ARITHMETIC) and self._arithmetic(
+            node.value, node.target, node.value
+        ):
             self._flag(node.value)
             return
         self.generic_visit(node)
@@ -342,6 +348,7 @@ _WATCHDOG = (
         ),
         ("def f(rt):\n    return rt.waits + _timings.watchdog_stop_wait(rt.config)\n", False),
         ("def f(self):\n    self.interval = self.first * 2\n", False),  # not a leaf
+        ("def f(t):\n    ok = True\n    ok |= g(f'{t.heartbeat_timeout} s')\n", False),  # a flag
     ],
 )
 def test_the_scan_tells_formulas_from_deadlines(source: str, flagged: bool) -> None:

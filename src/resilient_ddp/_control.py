@@ -87,6 +87,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import _clock
 from ._elastic_protocol import ack_key
 from .errors import ControlPlaneError, Culprit
 
@@ -962,7 +963,9 @@ class Backoff:
         return wait
 
     def sleep(self, until: float | None = None) -> None:
-        time.sleep(self.next_wait(time.monotonic(), until))
+        """Wait the next wait (see :meth:`next_wait`; ``until`` is a :func:`_clock.monotonic`
+        time) on the clock in use (:func:`_clock.use`). Blocks for that long."""
+        _clock.sleep(self.next_wait(_clock.monotonic(), until))
 
 
 # Key families a generation creates only for some ops (ControlPlane.note_keys).
@@ -1147,6 +1150,18 @@ class JobStore:
 
     def end(self, step: int, failed: str | None) -> None:
         self.decide("ended", {"step": step, "failed": failed})
+
+    def open_inference(self, record: dict[str, Any]) -> None:
+        """Say that inference call ``record["call"]`` of generation ``record["gen"]`` runs
+        (rank 0, when it starts; ``record["closed"]`` once it ended): a replacement started
+        meanwhile helps with it instead of waiting for an admission (see ``_guest``)."""
+        self._put("inf/open", record)
+
+    def inference(self) -> dict[str, Any] | None:
+        """The last :meth:`open_inference` record, or None (no call ran, or not one the job
+        wrote)."""
+        rec = self._get("inf/open")
+        return rec if isinstance(rec, dict) else None
 
     def is_elastic(self) -> bool:
         """Whether the job trains elastically (``on_failure="shrink"`` creates ``join/n``)."""

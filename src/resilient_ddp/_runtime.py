@@ -744,20 +744,20 @@ class Runtime:
             self.lingering = False
 
     def _linger(self) -> None:
-        start = time.monotonic()
+        start = _clock.monotonic()
         end = start + self.config.heartbeat_timeout.total_seconds()
         waiting = [r for r in range(self.world_size) if r != self.rank]
         control = ctl.ControlPlane(self.control_root, self.generation)
         control.set_timeout(timedelta(seconds=2))
-        while waiting and time.monotonic() < end:
+        while waiting and _clock.monotonic() < end:
             try:
                 states = control.read_states(waiting)
             except ControlPlaneError:
                 return  # the server itself failed: nothing to keep serving
             waiting = [r for r in waiting if not self._done_with_store(r, states.get(r, {}))]
             if waiting:
-                time.sleep(0.05)
-        waited = time.monotonic() - start
+                _clock.sleep(0.05)
+        waited = _clock.monotonic() - start
         if waiting:
             log.warning(
                 "rank %d: hosts the store and exits after %.1f s although rank(s) %s are still "
@@ -1092,7 +1092,7 @@ class Runtime:
         that have not answered every 50 ms."""
         others = [r for r in range(self.world_size) if r != self.rank]
         request = control.request_diagnosis()
-        deadline = time.monotonic() + self._diagnosis_window()
+        deadline = _clock.monotonic() + self._diagnosis_window()
         answers: dict[int, dict[str, Any]] = {}
         seen_at: dict[int, float] = {}  # when (monotonic) this process saw each answer
         states = control.read_states(others)
@@ -1107,9 +1107,9 @@ class Runtime:
                     seen_at[r] = seen
             if len(answers) == len(others) or self.failed_for(seq):
                 break
-            if time.monotonic() >= deadline:
+            if _clock.monotonic() >= deadline:
                 break
-            time.sleep(0.05)
+            _clock.sleep(0.05)
             # Only the ranks that have not answered: with every survivor of a stuck rank
             # diagnosing at once, re-reading all W states each round made W^2 reads a round.
             states.update(control.read_states([r for r in others if r not in answers]))

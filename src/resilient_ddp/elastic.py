@@ -59,10 +59,11 @@ from typing import Any, Literal, TypeVar
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from . import _clock, _events, _timings
 from . import _control as ctl
 from . import _elastic_protocol as proto
-from . import _events, _timings
 from ._elastic_protocol import ElasticParticipant
+from ._guest import Guest
 from ._runtime import RECOVERY_PHASE, Runtime, phase
 from .errors import ControlPlaneError, RankFailureError, ResilientDDPError
 
@@ -80,6 +81,7 @@ _RECHECK_S = 0.1  # while waiting for acknowledgements: how often the requests a
 # missing, however long a large state takes.
 TRANSFER_PHASE = "state transfer"
 _MAX_JOIN_TRIES = 3  # admissions failed by a joiner itself before it gives up
+_GUEST_LOOK_S = 0.1  # how often a waiting joiner reads the inference record (one get)
 
 
 @dataclass
@@ -367,7 +369,7 @@ def recover(
         ControlPlaneError: The store stopped answering (its host died).
     """
     el = rt.elastic_state()
-    t0 = time.monotonic()
+    t0 = _clock.monotonic()
     if isinstance(cause, RankFailureError):
         rt.notify_failure(cause)  # if the failed op did not already
     rt.phase = RECOVERY_PHASE  # peers waiting for this rank's proposal see it coming
@@ -384,7 +386,7 @@ def recover(
     first_culprits = _culprits(rt) or list(getattr(cause, "culprits", None) or [])
     round_, candidates = 0, list(range(world))
     while True:
-        if time.monotonic() - t0 > budget:
+        if _clock.monotonic() - t0 > budget:
             rt.mark_raised()
             raise rt.notify_failure(
                 RankFailureError(
@@ -442,7 +444,7 @@ def recover(
     # Only the ranks the group lost: a timeout can also name a rank that merely gave up
     # first (it was recovering already, and is still a member).
     lost = [c for c in first_culprits if c.rank in dec["lost"]]
-    _record_shrink(rt, el, dec, lost, before, time.monotonic() - t0)
+    _record_shrink(rt, el, dec, lost, before, _clock.monotonic() - t0)
     return dec
 
 
@@ -601,7 +603,7 @@ def _agree(
     )
     jobs.post_proposal(base, mine.to_json())
     cfg = rt.config
-    deadline = time.monotonic() + cfg.op_timeout.total_seconds()
+    deadline = _clock.monotonic() + cfg.op_timeout.total_seconds()
     decided = f"{base}/d"
     count = _Tally(functools.partial(jobs.proposal_count, base))
     # A poll: the decision, the proposal count, and the watchdog's tick (poked: two).
@@ -617,7 +619,7 @@ def _agree(
         known = (gone, dead)
         if moved or changed:
             poll.reset()
-        if _may_decide(count.value, gone, candidates) or time.monotonic() >= deadline:
+        if _may_decide(count.value, gone, candidates) or _clock.monotonic() >= deadline:
             break
         # While proposals come in, the decision waits for them; once they stop, it may
         # wait for a failure report: the watchdog ticks now rather than at its interval.
@@ -675,7 +677,7 @@ def _await_decision(
         ControlPlaneError: The store is unreachable.
     """
     cfg = rt.config
-    until = time.monotonic() + _timings.shrink_decider_wait(cfg)
+    until = _clock.monotonic() + _timings.shrink_decider_wait(cfg)
     silent_before, _ = _gone(rt)
     poll = ctl.Backoff(ranks, 1)
     while True:
@@ -684,7 +686,7 @@ def _await_decision(
             return taken
         gone, dead = _gone(rt)
         failed = decider in dead or (decider in gone and decider not in silent_before)
-        if failed or time.monotonic() >= until:
+        if failed or _clock.monotonic() >= until:
             log.info(
                 "rank %d: rank %d claimed the decision under %s but %s; deciding here",
                 rt.rank,
@@ -748,7 +750,7 @@ def _decide_round(
                 props = proto.parse_proposals(jobs.proposals(base))
                 fresh = True
         waiting = [r for r in candidates if r not in props]
-        now = time.monotonic()
+        now = _clock.monotonic()
         decide, silent_since = proto.should_decide(
             waiting=waiting,
             gone=gone,
@@ -831,7 +833,7 @@ def _form(
     # Everyone posts "ready" first: a member that died after the decision is noticed here,
     # quickly, rather than by the backend's rendezvous timeout.
     jobs.post_ready(gen, rank)
-    deadline = time.monotonic() + timeout_s
+    deadline = _clock.monotonic() + timeout_s
     world = len(members)
     arrived = _Tally(functools.partial(jobs.ready_count, gen))
     looked_at: set[int] = set()  # dead old ranks whose arrival was read
@@ -858,7 +860,7 @@ def _form(
                 for i, old in enumerate(old_ranks or [])
                 if old in fresh and not jobs.ready(gen, [i])
             ]
-        if lost or time.monotonic() >= deadline:
+        if lost or _clock.monotonic() >= deadline:
             if not lost and jobs.ready(gen, range(world)):
                 break
             raise RankFailureError(
@@ -1002,7 +1004,7 @@ def maybe_admit(
     if el.committed < int(el.grow["at"]):
         return False
     grow = el.grow
-    t0 = time.monotonic()
+    t0 = _clock.monotonic()
     before, gen_from = rt.world_size, rt.generation
     saved = [(s, s.on_admission(grow["joiners"])) for s in el.live_samplers()]
     error: RankFailureError | None = None
@@ -1044,7 +1046,7 @@ def maybe_admit(
         el.join_seen = True  # more requests came meanwhile: look at the next forward
     else:
         _stop_looking(rt, el)
-    took = time.monotonic() - t0
+    took = _clock.monotonic() - t0
     fields = {
         "joiners": grow["joiners"],
         "world_size_before": before,
@@ -1082,7 +1084,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
         jobs.post_has_state(gen, rank)
     else:
         jobs.decide(result, {"ok": False})
-    deadline = time.monotonic() + _timings.rendezvous_form_timeout(rt.config)
+    deadline = _clock.monotonic() + _timings.rendezvous_form_timeout(rt.config)
     confirmed = _Tally(functools.partial(jobs.has_state_count, gen))
     missing: list[int] | None = None  # who had not confirmed at the last look (past the deadline)
     poll = ctl.Backoff(world, 2)
@@ -1094,7 +1096,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
             if confirmed.value >= world and jobs.all_have_state(gen, world):
                 jobs.decide(result, {"ok": True})
                 continue
-        if time.monotonic() < deadline:
+        if _clock.monotonic() < deadline:
             poll.sleep(deadline)
             continue
         # A confirmation stays: after the first look, only the ranks still missing are
@@ -1108,7 +1110,7 @@ def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) 
             # for while its heartbeat says so; one that dies or hangs is reported by the
             # watchdogs (heartbeat_timeout), and its own transfer is bounded by op_timeout
             # per chunk.
-            deadline = time.monotonic() + 0.1
+            deadline = _clock.monotonic() + 0.1
         else:
             jobs.decide(result, {"ok": False})
     return bool(taken.get("ok"))
@@ -1213,7 +1215,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         first_gen, first_c = el.first_ack
         if first_gen == rt.generation and el.committed <= first_c:
             return False  # no admission can be at this boundary
-        now = time.monotonic()
+        now = _clock.monotonic()
         if now >= recheck:
             # Nothing left to admit (a joiner gave up or was admitted): no member can decide
             # from this round any more, since the decider reads the pending requests after
@@ -1225,7 +1227,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
         if round_n != n:
             round_n, deadline = n, now + _timings.rendezvous_form_timeout(rt.config)
         rt.raise_if_failed("forward", rt.seq + 1)
-        if time.monotonic() >= deadline:
+        if _clock.monotonic() >= deadline:
             # The records themselves, not their count (it can lag them).
             bound = jobs.ack_bound(rt.generation, n, rt.world_size)
             if bound is not None:
@@ -1359,13 +1361,20 @@ class _Asked:
 
 
 @_typed_store_errors("joining")
-def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, dict[str, Any]]:
+def join(
+    backend: str | None, cfg: Any, timeout: timedelta
+) -> tuple[Runtime, dict[str, Any]] | Guest:
     """Joiner side (``RESILIENT_DDP_JOINER=1``): ask to join the running job, wait until
     the members admit this process, form the group with them and receive the state.
 
     Blocks at most ``timeout``. An admission the members abandon (a failure among them)
     is waited out; one that fails because of this process counts against it, and it gives
     up after ``_MAX_JOIN_TRIES`` of them.
+
+    While a job that does not train elastically runs a ``distributed_inference`` call
+    instead (its ``inf/open`` record), no member will ever admit anyone: this process
+    returns a :class:`~._guest.Guest` of that call (it helps with the work without a
+    group); once that call has ended, nothing is left to do: it exits with code 0.
 
     Raises:
         PreflightError: Not admitted within ``timeout`` (no job with
@@ -1386,17 +1395,23 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
     identity = ctl.my_identity(-1)
     jobs.request_join({"uid": uid, "host": identity["host"], "pid": identity["pid"]})
     requested = time.time()
-    deadline = time.monotonic() + timeout.total_seconds()
+    deadline = _clock.monotonic() + timeout.total_seconds()
     tried_gen, failures = -1, 0
+    next_look = 0.0
     while True:
         _check_ended(jobs, uid)
+        if time.monotonic() >= next_look:
+            next_look = time.monotonic() + _GUEST_LOOK_S
+            guest = _inference_to_help(jobs, root, uid, backend, cfg)
+            if guest is not None:
+                return guest
         if jobs.join_tries(uid) >= _MAX_JOIN_TRIES:
             raise PreflightError(
                 f"this process (member id {uid}) was not admitted: it did not reach "
                 f"{_MAX_JOIN_TRIES} of its admissions in time, and the members gave up",
                 problems=["joiner not admitted"],
             )
-        if time.monotonic() >= deadline:
+        if _clock.monotonic() >= deadline:
             raise PreflightError(
                 f"this process (member id {uid}) asked to join the running job but was not "
                 f"admitted within {timeout}: is a job with on_failure='shrink' running on "
@@ -1407,7 +1422,7 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
             )
         adm = jobs.admission_for(uid)
         if adm is None or adm["gen"] == tried_gen:
-            time.sleep(0.01)
+            _clock.sleep(0.01)
             continue
         tried_gen = adm["gen"]
         if not _await_members(jobs, adm, deadline, uid):
@@ -1436,6 +1451,51 @@ def join(backend: str | None, cfg: Any, timeout: timedelta) -> tuple[Runtime, di
                 f"job: {failures} admissions failed, the last one with: {error}",
                 problems=["joiner admission failed"],
             ) from error
+
+
+def _inference_to_help(
+    jobs: ctl.JobStore, root: dist.Store, uid: int, backend: str | None, cfg: Any
+) -> Guest | None:
+    """The running inference call this joiner can help with (see :func:`join`), or None.
+
+    Raises:
+        SystemExit: With code 0: the call it was started for has ended and the job does
+            not train elastically (nobody would ever admit it).
+    """
+    rec = jobs.inference()
+    if rec is None or rec.get("elastic", True):
+        # Elastic training (the call is an evaluation inside it): the members admit
+        # replacements at a step boundary, which is what this process waits for.
+        return None
+    if rec.get("closed"):
+        log.warning(
+            "joiner %d: the job's distributed_inference call %s ended before this process "
+            "could help with it, and the job does not train elastically; exiting",
+            uid,
+            rec.get("call"),
+        )
+        raise SystemExit(0)
+    try:
+        gen, call, world = int(rec["gen"]), int(rec["call"]), int(rec["world"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    log.warning(
+        "joiner %d: the job runs distributed_inference (call %d of generation %d, %d "
+        "ranks): this process helps with it without joining the process group",
+        uid,
+        call,
+        gen,
+        world,
+    )
+    return Guest(
+        root=root,
+        uid=uid,
+        generation=gen,
+        call=call,
+        world_size=world,
+        config=cfg,
+        backend=backend or "gloo",
+    )
 
 
 def _admit(
@@ -1519,7 +1579,7 @@ def _await_members(jobs: ctl.JobStore, adm: dict[str, Any], deadline: float, uid
             if arrived.value >= n_old and jobs.ready(gen, range(n_old)):
                 return True
         _check_ended(jobs, uid)
-        if time.monotonic() >= deadline:
+        if _clock.monotonic() >= deadline:
             return jobs.ready(gen, range(n_old))  # the flags: a count can lag them
         # Generation numbers only grow: a newer one than the admission's base means the
         # members recovered from a failure instead of reaching the admission step.

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from . import _control as ctl
-from . import _events
+from . import _events, _guest
 from . import _work_pool as wp
 from ._progress import progress as _mark_progress
 from ._runtime import Runtime
@@ -167,6 +167,11 @@ def distributed_inference(
     the failing item goes back to the pool for another rank; one that raised on
     ``max_item_failures`` ranks is a poison item, never run again.
 
+    A replacement for a failed rank started while the call runs (``rd.spawn(restarts=N)``,
+    an elastic launcher; it needs the job's secret, as any joiner) helps with it: its
+    ``init_process_group()`` returns without a group, and its own call of this function
+    pulls chunks as the ranks do and returns ``None``.
+
     Args:
         fn: Called with one collated batch; returns one result per item of the batch: a
             tensor whose first dimension is the batch size (one row per item), a list of
@@ -189,7 +194,9 @@ def distributed_inference(
             (timedelta or seconds; default ``config.op_timeout``). Not used otherwise: a
             hung rank is told by its progress signals (``config.stuck_window``).
         chunk_size: Items per chunk (default: about 8 chunks per rank, a whole number of
-            batches). With ``output_dir`` a resumed call keeps the plan written there.
+            batches, the last ones smaller: none holds more than the items left over twice
+            the ranks, so that ranks finish together when costs are unknown). With
+            ``output_dir`` a resumed call keeps the plan written there.
         on_rank_failure: ``"redo"`` (default): the survivors redo a failed rank's chunks.
             ``"raise"``: the behaviour before: shares planned up front, one final gather,
             every rank raises :class:`RankFailureError` naming the failed rank
@@ -390,7 +397,8 @@ class _Pool:
             self.costs = [float(cost_fn(i)) for i in range(self.total)]
         if self.costs is not None and len(self.costs) != self.total:
             raise ConfigError(f"costs has {len(self.costs)} values for {self.total} items")
-        self.rt = ensure_runtime()
+        self.guest = _guest.current()
+        self.rt = ensure_runtime() if self.guest is None else _guest_runtime(self.guest)
         self.rank = self.rt.rank
         self.world = self.rt.world_size
         self.done = 0
@@ -406,7 +414,7 @@ class _Pool:
         size = self.chunk_size or wp.default_chunk_size(self.total, self.world, self.batch_size)
         try:
             if self.output_dir is None:
-                return wp.plan_chunks(self.total, size, self.costs)
+                return wp.plan(self.total, self.chunk_size, self.world, self.batch_size, self.costs)
             fp = wp.fingerprint(self.total, self.costs, self.chunk_size or 0)
             m = wp.read_manifest(self.output_dir)
             if m is not None:
@@ -417,7 +425,7 @@ class _Pool:
                         "other costs or format): use another folder, or the same arguments"
                     )
                 return wp.chunks_of(m)
-            chunks = wp.plan_chunks(self.total, size, self.costs)
+            chunks = wp.plan(self.total, self.chunk_size, self.world, self.batch_size, self.costs)
             if self.rank == 0:
                 os.makedirs(self.output_dir, exist_ok=True)
                 wp.write_manifest(self.output_dir, wp.manifest(self.total, chunks, size, fp))
@@ -430,6 +438,8 @@ class _Pool:
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[int, Any]]:  # noqa: PLR0912, PLR0915 - one loop
         rt = self.rt
+        if self.guest is not None and self.guest.served:
+            return  # a later call of the members': they run it without this process
         rt.inference_calls += 1  # every rank counts its calls alike
         self.call = call = rt.inference_calls
         keys = wp.Keys(call)
@@ -444,6 +454,8 @@ class _Pool:
         step, phase = rt.step, rt.phase
         rt.phase = "inference"
         collector: _Collector | None = None
+        self.beat: _GuestBeat | None = None
+        jobs = ctl.JobStore(rt.control_root) if self.rank == 0 else None
         try:
             if self.rank == 0:
                 written = set()
@@ -457,6 +469,18 @@ class _Pool:
                 store.set(plan_key, json.dumps({"remaining": remaining, "plan": self._plan_id}))
                 with contextlib.suppress(Exception):
                     rt.control.note_keys([plan_key, keys.next, keys.redo_n])
+                with contextlib.suppress(ResilientDDPError):  # replacements may help
+                    assert jobs is not None
+                    jobs.open_inference(
+                        {
+                            "gen": rt.generation,
+                            "call": call,
+                            "world": self.world,
+                            # Elastic training (an evaluation inside it): a replacement
+                            # waits for its admission at a step boundary instead.
+                            "elastic": rt.elastic is not None,
+                        }
+                    )
             else:
                 backoff = ctl.Backoff(self.world, 1)
                 while not store.check([plan_key]):
@@ -473,6 +497,9 @@ class _Pool:
             todo = tuple(self.by_index[k] for k in remaining)
             self.resumed = self.total - sum(len(c.items) for c in todo)
             worker = wp.Worker(store, keys, self.rank, rt.control.key)
+            if self.guest is not None:
+                self.beat = _GuestBeat(self, keys)
+                self.beat.start()
             if self.rank == 0:
                 ledger = wp.Ledger(todo, self.max_item_failures)
                 collector = _Collector(self, keys, ledger)
@@ -530,6 +557,24 @@ class _Pool:
                     store.add(keys.redo_n, wp.END)
             raise
         finally:
+            if jobs is not None:
+                with contextlib.suppress(ResilientDDPError):
+                    jobs.open_inference(
+                        {
+                            "gen": rt.generation,
+                            "call": call,
+                            "closed": True,
+                            # Whether the members may still admit a joiner (elastic
+                            # training: at a step boundary); a joiner reads this, not
+                            # join/n, which its own request creates.
+                            "elastic": rt.elastic is not None,
+                        }
+                    )
+            if self.beat is not None:
+                self.beat.stop.set()
+                self.beat.join(timeout=rt.store_timeout_s + 1.0)
+            if self.guest is not None:
+                self.guest.served = True
             if collector is not None:
                 collector.stop.set()
                 collector.join(timeout=rt.store_timeout_s + 1.0)
@@ -563,6 +608,19 @@ class _Pool:
         rt = self.rt
         if collector is not None and collector.error is not None:
             raise collector.error
+        if self.beat is not None and self.beat.lost:
+            if worker is not None:
+                with contextlib.suppress(ResilientDDPError):
+                    if worker.redo_state() >= wp.END:
+                        return True
+            what = self.beat.lost
+            raise RankFailureError(
+                f"distributed_inference on replacement worker {self.rank} cannot finish: "
+                f"rank 0 collects the results and {what}",
+                culprits=[ctl.to_culprit(ctl.culprit_from(0, what=what))],
+                op="distributed_inference",
+                generation=rt.generation,
+            )
         if rt.control_plane_error is not None:
             raise rt.build_error("distributed_inference", rt.op_seq)
         if self.rank != 0:
@@ -709,6 +767,55 @@ class _Pool:
         )
 
 
+def _guest_runtime(guest: _guest.Guest) -> Runtime:
+    """A runtime for a guest's call (never the process's current one: no group, no
+    watchdog), under the next free worker number ``world_size + k`` of that call."""
+    store = ctl.ControlPlane(guest.root, guest.generation).store
+    k = int(store.add(wp.Keys(guest.call).guests, 1)) - 1
+    rt = Runtime(
+        rank=guest.world_size + k,
+        world_size=guest.world_size,
+        backend=guest.backend,
+        control_root=guest.root,
+        config=guest.config,
+        generation=guest.generation,
+    )
+    rt.inference_calls = guest.call - 1  # run() counts this one
+    return rt
+
+
+class _GuestBeat(threading.Thread):
+    """A guest's heartbeat for rank 0's collector (a counter bumped every
+    ``heartbeat_interval``), and its watch on rank 0: ``lost`` says why the call cannot
+    finish (rank 0's heartbeat stopped for ``heartbeat_timeout``, or the store is gone)."""
+
+    def __init__(self, pool: _Pool, keys: wp.Keys) -> None:
+        super().__init__(name="resilient_ddp-inference-guest", daemon=True)
+        self.rt, self.worker, self.keys = pool.rt, pool.rank, keys
+        self.stop = threading.Event()
+        self.lost = ""
+
+    def run(self) -> None:
+        rt = self.rt
+        control = rt.connection("guest")
+        store = _Guarded(control.store)
+        every = rt.config.heartbeat_interval.total_seconds()
+        timeout = rt.config.heartbeat_timeout.total_seconds()
+        try:
+            while True:
+                store.add(self.keys.guest_beat(self.worker), 1)
+                state = control.read_states([0]).get(0)
+                if state is not None:
+                    rt.note_beat(0, state)
+                if rt.beat_age(0) >= timeout:
+                    self.lost = f"sent no heartbeat for {rt.beat_age(0):.1f} s"
+                    return
+                if self.stop.wait(every):
+                    return
+        except ResilientDDPError as e:
+            self.lost = f"cannot be reached: the store stopped answering ({e})"
+
+
 class _LoaderProgress:
     """While the main thread waits for a batch from DataLoader workers, count their CPU
     time as this rank's progress (``rd.progress()``): a rank whose workers decode a slow
@@ -765,6 +872,11 @@ class _ChunkBatches:
         return len(self.groups)
 
 
+def _worker_name(worker: int, world_size: int) -> str:
+    """``rank 2``, or ``replacement worker 4`` for a helping replacement (see _guest)."""
+    return f"rank {worker}" if worker < world_size else f"replacement worker {worker}"
+
+
 def _ranks_of(ev: dict[str, Any]) -> list[int]:
     """The ranks a failure event names."""
     if ev.get("kind") == ctl.EV_TIMEOUT:
@@ -812,6 +924,9 @@ class _Collector(threading.Thread):
         self.last_done = -1
         self._poison_told: set[int] = set()
         self.per_rank: dict[int, int] = {}
+        # Replacements helping (see _guest): worker number -> (its beat count, when this
+        # process saw that count first, on its monotonic clock).
+        self.guests: dict[int, tuple[int, float]] = {}
 
     # -- the main thread's side --------------------------------------------------------------
     def ready(self) -> Iterator[tuple[int, Any]]:
@@ -833,7 +948,9 @@ class _Collector(threading.Thread):
             self.callback(self.pool.total, self.pool.total)
 
     def live(self) -> set[int]:
-        return {r for r in range(self.rt.world_size) if r not in self.given_up}
+        """The workers that may still deliver: ranks and helping replacements not given up."""
+        ranks = set(range(self.rt.world_size)) | set(self.guests)
+        return {r for r in ranks if r not in self.given_up}
 
     # -- the thread --------------------------------------------------------------------------
     def run(self) -> None:
@@ -870,6 +987,7 @@ class _Collector(threading.Thread):
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + hb
+                changed |= self._look_for_guests(now)
                 changed |= self._look_for_hangs(leases)
             for t in led.orphans(leases, self.live()):
                 led.requeue(t, "its rank failed before delivering it", -1, self.live())
@@ -957,8 +1075,39 @@ class _Collector(threading.Thread):
             changed = True
         return changed
 
+    def _look_for_guests(self, now: float) -> bool:
+        """Note the replacements that came to help (their first beat makes them workers:
+        they hold a lease by then) and give up on one whose beat stopped for
+        ``heartbeat_timeout``. Round trips: one ``add``; with helpers, a ``check`` and a
+        ``multi_get`` of their beats."""
+        world, keys = self.rt.world_size, self.keys
+        n = int(self.store.add(keys.guests, 0))
+        ids = [world + k for k in range(n) if world + k not in self.given_up]
+        if not ids:
+            return False
+        names = [keys.guest_beat(w) for w in ids]
+        there = [w for w, ok in zip(ids, ctl.present(self.store.check, names), strict=True) if ok]
+        if not there:
+            return False
+        beats = self.store.multi_get([keys.guest_beat(w) for w in there])
+        timeout = self.rt.config.heartbeat_timeout.total_seconds()
+        changed = False
+        for w, raw in zip(there, beats, strict=True):
+            beat = int(raw)
+            seen = self.guests.get(w)
+            if seen is None:
+                log.info("rank 0: distributed_inference: a replacement helps as worker %d", w)
+                _events.record(self.rt, "inference_guest", worker=w)
+                changed = True
+            if seen is None or seen[0] != beat:
+                self.guests[w] = (beat, now)
+            elif now - seen[1] >= timeout:
+                changed |= self._give_up(w, f"stopped sending heartbeats for {timeout:.1f} s")
+        return changed
+
     def _give_up(self, r: int, why: str) -> bool:
-        if r == self.rt.rank or r in self.given_up or not 0 <= r < self.rt.world_size:
+        known = 0 <= r < self.rt.world_size or r in self.guests
+        if r == self.rt.rank or r in self.given_up or not known:
             return False
         self.given_up[r] = why
         lease = self._leases_of(r)
@@ -968,16 +1117,16 @@ class _Collector(threading.Thread):
         redone = self.ledger.redone[before:]
         items = sum(x["items"] for x in redone)
         log.warning(
-            "rank %d %s during distributed_inference; %s",
-            r,
+            "%s %s during distributed_inference; %s",
+            _worker_name(r, self.rt.world_size),
             why,
             f"its chunk ({items} item(s)) goes to the other ranks"
             if items
             else "it held no unfinished chunk",
         )
         warnings.warn(
-            f"distributed_inference: rank {r} {why}; its unfinished work ({items} item(s)) is "
-            "redone by the other ranks",
+            f"distributed_inference: {_worker_name(r, self.rt.world_size)} {why}; its "
+            f"unfinished work ({items} item(s)) is redone by the other ranks",
             RuntimeWarning,
             stacklevel=1,
         )
@@ -1008,7 +1157,9 @@ class _Collector(threading.Thread):
         ]
         if not holders:
             return False
-        states = self.control.read_states(holders)
+        # Only ranks publish a state: a missing key would block the read (a helping
+        # replacement has none; it is judged by its beat and busy_timeout alone).
+        states = self.control.read_states([r for r in holders if r < rt.world_size])
         now = time.monotonic()
         window = rt.config.base_stuck_window
         changed = False
@@ -1096,13 +1247,18 @@ class _Collector(threading.Thread):
             f"ticket {x['ticket']} (chunk {x['chunk']}, {x['items']} item(s)): {x['why']}"
             for x in redone
         )
-        failed = "; ".join(f"rank {r} {w}" for r, w in sorted(self.given_up.items()))
+        failed = "; ".join(
+            f"{_worker_name(r, self.rt.world_size)} {w}" for r, w in sorted(self.given_up.items())
+        )
         text = (
             f"distributed_inference: {pool.total - len(poison)}/{pool.total} items in "
             f"{len(led.chunks)} chunks on {self.rt.world_size} ranks"
             + (f" ({pool.resumed} found written and skipped)" if pool.resumed else "")
             + "; items per rank "
-            + ", ".join(f"{r}: {n}" for r, n in sorted(self.per_rank.items()))
+            + ", ".join(
+                f"{r if r < self.rt.world_size else f'{r} (replacement)'}: {n}"
+                for r, n in sorted(self.per_rank.items())
+            )
             + f"; {len(redone)} piece(s) of work redone"
             + (f" ({why})" if why else "")
             + (f"; failed ranks: {failed}" if failed else "")

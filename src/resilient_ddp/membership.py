@@ -9,13 +9,12 @@ destroys the old group and creates the new one.
 from __future__ import annotations
 
 import logging
-import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import _clock, _timings
 from . import _control as ctl
-from . import _timings
 from ._backend import abort_group, default_pg_timeout, forget_failed_init
 from ._runtime import Runtime
 from .errors import PreflightError, RankFailureError
@@ -29,7 +28,7 @@ log = logging.getLogger("resilient_ddp")
 def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> None:
     """Agree with every rank to redo op ``seq`` and move the job to the next generation.
 
-    Two-phase: every rank votes; a rank that gives up at ``deadline`` (``time.monotonic()``
+    Two-phase: every rank votes; a rank that gives up at ``deadline`` (``_clock.monotonic()``
     seconds) withdraws the offer for everyone, so that a late voter cannot rebuild alone.
     Polls the store every 20 ms.
 
@@ -53,7 +52,7 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
             )
         if rt.failed_for(seq):
             raise rt.build_error(name, seq)
-        if time.monotonic() >= deadline:
+        if _clock.monotonic() >= deadline:
             jobs.call_off_retry(g, seq, attempt)
             rt.mark_raised()
             raise rt.notify_failure(
@@ -65,12 +64,12 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
                     generation=rt.generation,
                 )
             )
-        time.sleep(0.02)
+        _clock.sleep(0.02)
         votes = jobs.retry_votes(g, seq, attempt)
     # Generation numbers come from one counter in the store (elastic training draws from it
     # too); the first voter's draw is the one every rank uses.
     gen = jobs.retry_generation(g, seq, attempt)
-    rebuild(rt, gen, timeout_s=max(1.0, deadline - time.monotonic()))
+    rebuild(rt, gen, timeout_s=max(1.0, deadline - _clock.monotonic()))
     log.warning(
         "rank %d: %s#%d retried as a group (attempt %d), now generation %d",
         rt.rank,

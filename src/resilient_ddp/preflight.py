@@ -33,7 +33,6 @@ import logging
 import os
 import platform
 import socket
-import time
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import tenacity
 import torch
 import torch.distributed as dist
 
+from . import _clock
 from ._backend import nccl_version
 from ._control import Backoff, operator_secret, seal, serve_store, unseal_dict
 from ._control import present as _present
@@ -290,7 +290,7 @@ def preflight(
             the facts itself). A store that stops answering (its host exited) is reported
             as such, never as a bare backend error.
     """
-    deadline = time.monotonic() + budget.total_seconds()
+    deadline = _clock.monotonic() + budget.total_seconds()
     env, problems = check_environment(environ, rank=rank, world_size=world_size)
     if env is None:
         raise PreflightError(
@@ -325,7 +325,7 @@ def _open_store(env: Environment, deadline: float, store_timeout: timedelta) -> 
     def connect() -> dist.Store:
         nonlocal attempts
         attempts += 1
-        left = max(0.5, deadline - time.monotonic())
+        left = max(0.5, deadline - _clock.monotonic())
         try:
             if host_store:
                 # Listens on MASTER_ADDR's interface only, not on every one.
@@ -354,7 +354,7 @@ def _open_store(env: Environment, deadline: float, store_timeout: timedelta) -> 
 
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(_TransientError),
-        stop=tenacity.stop_after_delay(max(0.0, deadline - time.monotonic())),
+        stop=tenacity.stop_after_delay(max(0.0, deadline - _clock.monotonic())),
         wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
         reraise=True,
     )
@@ -471,7 +471,7 @@ def _exchange(
     facts itself. The first verdict written wins (``compare_set``) and every rank follows
     it, so all ranks that are up raise the same problems.
 
-    Blocks until a verdict is known, at most until ``deadline`` (a ``time.monotonic()``
+    Blocks until a verdict is known, at most until ``deadline`` (a ``_clock.monotonic()``
     time) plus the few store requests of the search.
 
     Returns:
@@ -504,7 +504,7 @@ def _await_verdict(
     # ``check`` and ``add(counter, 0)`` never block (a timed ``wait`` would log a warning on
     # every expiry): one request a poll (two on the checker), whatever the number of ranks.
     poll, seen = Backoff(env.world_size, 1), -1
-    while time.monotonic() < deadline:
+    while _clock.monotonic() < deadline:
         if checker:
             count = _add(store, env, f"{prefix}/n", 0)
             if count != seen:
@@ -833,11 +833,11 @@ def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: 
             payload = {"rank": env.rank, "message": str(error), "problems": list(error.problems)}
             _propose(store, env, payload)
             store.add(f"{prefix}/done", 1)
-        end = time.monotonic() + budget.total_seconds()
-        while time.monotonic() < end:
+        end = _clock.monotonic() + budget.total_seconds()
+        while _clock.monotonic() < end:
             if int(store.add(f"{prefix}/done", 0)) >= int(store.add(f"{prefix}/n", 0)):
                 return
-            time.sleep(_POLL_S)
+            _clock.sleep(_POLL_S)
     except (RuntimeError, OSError, PreflightError):  # our own server: nothing more to do
         return
 

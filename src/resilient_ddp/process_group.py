@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _control as ctl
-from . import _runtime, _timings
+from . import _guest, _runtime, _timings
 from ._backend import abort_group, backend_name, default_pg_timeout
 from ._runtime import Runtime
 from .config import ResilienceConfig, get_config, resolve
@@ -100,7 +100,11 @@ def init_process_group(
         cfg = cfg.model_copy(update={"init_timeout": timeout})
     if os.environ.get(JOINER_ENV, "") not in ("", "0") and not dist.is_initialized():
         # A replacement for a failed rank: it joins the running job at a step boundary.
-        rt, _ = join(backend, cfg, cfg.init_timeout)
+        joined = join(backend, cfg, cfg.init_timeout)
+        if isinstance(joined, _guest.Guest):
+            _guest.set_current(joined)  # helps with the running inference call, no group
+            return
+        rt, _ = joined
         _runtime.set_current(rt)
         _runtime.install_hooks()
         return
@@ -238,6 +242,8 @@ def ensure_runtime(config: ResilienceConfig | None = None) -> Runtime:
     """The current runtime, attaching to torch's default group on first use."""
     rt = _runtime.current()
     if rt is None:
+        if _guest.current() is not None:
+            raise ConfigError(f"No process group here: {_guest.ONLY}.")
         rt = attach(config)
     return rt
 
@@ -253,6 +259,9 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
         group: As in torch; ``None`` destroys the default group and detaches.
     """
     rt = _runtime.current()
+    if group is None and _guest.current() is not None:
+        _guest.set_current(None)  # a guest of an inference call: no group to destroy
+        return
     if group is not None:
         dist.destroy_process_group(group)
         return

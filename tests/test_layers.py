@@ -1,0 +1,203 @@
+"""The package's layers: every import of a module of ``resilient_ddp`` goes down (or
+sideways, within a layer), deferred imports (inside functions) included; imports under
+``if TYPE_CHECKING:`` never run and are not counted.
+
+The known upward imports are listed in ``KNOWN_UPWARD`` (the debt issue 27 pays off): a
+new one fails this test, and so does one listed here that is gone (remove it from the
+list). ``docs/architecture.md`` draws the same layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "src" / "resilient_ddp"
+
+#: Layer of each module, from the ground up (a module may import its own layer and those
+#: below). A new module must be placed here.
+LAYERS: dict[str, int] = {
+    # 0 ground: pure or self-contained (errors, config, wire format, protocols, plans).
+    **dict.fromkeys(
+        [
+            "errors",
+            "config",
+            "_clock",
+            "_timings",
+            "_wire",
+            "_elastic_protocol",
+            "_diagnosis",
+            "_work_pool",
+            "_compat",
+            "_backend",
+            "sampler",
+            "_guest",
+        ],
+        0,
+    ),
+    # 1 control plane: the store, its keys and records; start-up checks; progress signals.
+    **dict.fromkeys(["_control", "_torchelastic", "preflight", "_progress", "_events"], 1),
+    # 2 the process's view of the job.
+    "_runtime": 2,
+    # 3 failure detection.
+    "watchdog": 3,
+    # 4 regrouping (a new generation's group).
+    "membership": 4,
+    # 5 bounded operations.
+    **dict.fromkeys(["collectives", "gather", "torch_collectives", "checkpoint"], 5),
+    # 6 elastic training.
+    **dict.fromkeys(["elastic", "elastic_sampler"], 6),
+    # 7 the process group's life.
+    "process_group": 7,
+    # 8 what users call: DDP, inference, launchers, framework integrations, tools.
+    **dict.fromkeys(
+        [
+            "ddp",
+            "inference",
+            "launch",
+            "testing",
+            "_demo",
+            "_doctor",
+            "__init__",
+            "__main__",
+            "integrations",
+            "integrations._common",
+            "integrations.fabric",
+            "integrations.lightning",
+            "integrations.transformers",
+        ],
+        8,
+    ),
+}
+
+#: Upward imports that exist today (importer -> imported): each is debt. Remove an entry
+#: when its import is gone; never add one.
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    ("_events", "_runtime"),  # deferred: the current runtime for record()
+    ("_torchelastic", "_runtime"),  # deferred: the current runtime
+    ("watchdog", "elastic"),  # deferred: join requests and shrink from the watchdog
+    ("membership", "process_group"),  # joining the control plane, retiring groups
+    ("collectives", "process_group"),  # ensure_runtime (attach on first use)
+    ("checkpoint", "process_group"),  # ensure_runtime
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PKG.rglob("*.py"):
+        name = ".".join(path.relative_to(PKG).with_suffix("").parts)
+        found["integrations" if name == "integrations.__init__" else name] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``name`` imports, at module level or inside functions, not
+    under ``if TYPE_CHECKING:``."""
+    package = name.split(".")[:-1]
+    out: set[str] = set()
+
+    def resolve(module: str | None, level: int, names: list[str]) -> None:
+        if level:
+            base = package[: len(package) - (level - 1)] if level > 1 else package
+        else:
+            if module is None or not module.startswith("resilient_ddp"):
+                return
+            base, module = [], module.removeprefix("resilient_ddp").lstrip(".") or None
+        stem = [*base, *(module.split(".") if module else [])]
+        for alias in names:
+            sub = ".".join([*stem, alias])
+            if sub in modules:
+                out.add(sub)
+            elif stem and ".".join(stem) in modules:
+                out.add(".".join(stem))
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for stmt in child.orelse:
+                    walk(stmt)
+                continue
+            if isinstance(child, ast.ImportFrom):
+                resolve(child.module, child.level, [a.name for a in child.names])
+            elif isinstance(child, ast.Import):
+                for a in child.names:
+                    if a.name.startswith("resilient_ddp."):
+                        resolve(a.name, 0, [])
+                        sub = a.name.removeprefix("resilient_ddp.")
+                        if sub in modules:
+                            out.add(sub)
+            walk(child)
+
+    walk(ast.parse(path.read_text()))
+    out.discard(name)
+    return out
+
+
+def _upward() -> set[tuple[str, str]]:
+    modules = _modules()
+    return {
+        (name, dep)
+        for name, path in modules.items()
+        for dep in _imports(name, path, set(modules))
+        if LAYERS[dep] > LAYERS[name]
+    }
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = sorted(set(_modules()) - set(LAYERS))
+    assert not missing, f"place these modules in LAYERS (tests/test_layers.py): {missing}"
+    gone = sorted(set(LAYERS) - set(_modules()))
+    assert not gone, f"modules listed in LAYERS that no longer exist: {gone}"
+
+
+def test_no_new_upward_import() -> None:
+    new = sorted(_upward() - KNOWN_UPWARD)
+    assert not new, (
+        "imports that go up a layer (importer -> imported; a cycle waiting to happen: "
+        f"pass a hook down instead, see docs/architecture.md): {new}"
+    )
+
+
+def test_the_known_upward_imports_are_still_there() -> None:
+    paid = sorted(KNOWN_UPWARD - _upward())
+    assert not paid, f"these upward imports are gone: remove them from KNOWN_UPWARD: {paid}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from . import _runtime\n", {"_runtime"}),
+        ("def f():\n    from .errors import ConfigError\n", {"errors"}),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .ddp import X\n", set()),
+        ("import resilient_ddp.collectives\n", {"collectives"}),
+        ("from resilient_ddp.integrations import _common\n", {"integrations._common"}),
+    ],
+)
+def test_the_scan_sees_top_level_deferred_and_typing_imports(
+    tmp_path: Path, source: str, expected: set[str]
+) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    modules = {"_runtime", "errors", "ddp", "collectives", "integrations._common", "m"}
+    assert _imports("m", path, modules) == expected
+
+
+def test_the_architecture_page_lists_the_same_layers_and_debt() -> None:
+    """docs/architecture.md is kept honest: its layer table names every module in its
+    layer, and its debt table is ``KNOWN_UPWARD``."""
+    import re
+
+    page = (PKG.parent.parent / "docs" / "architecture.md").read_text()
+    debt = set(re.findall(r"^\| `([\w.]+)` -> `([\w.]+)` \|", page, re.MULTILINE))
+    assert debt == KNOWN_UPWARD
+    rows = re.findall(r"^\| (\d)\. [^|]+\| ([^|]+) \|", page, re.MULTILINE)
+    listed = {
+        name.removesuffix(".*"): int(level)
+        for level, names in rows
+        for name in re.findall(r"`([\w.*]+)`", names)
+    }
+    expected = {n: lv for n, lv in LAYERS.items() if not n.startswith("integrations.")}
+    expected.pop("__main__")
+    assert listed == expected
