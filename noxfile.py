@@ -32,7 +32,9 @@ def tests(session: nox.Session) -> None:
     # filterwarnings=error turns that warning into an error.
     # The frameworks' extras: tests/test_frameworks_mp.py runs their real packages.
     session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
-    session.run("pytest", *session.posargs)
+    # Two workers, a test file at a time each (module fixtures stay whole; the docs' sample
+    # runner starts its samples once). ``-- -n 0`` runs everything in one process.
+    session.run("pytest", "-n", "2", "--dist", "loadfile", *session.posargs)
 
 
 @nox.session(python=None)

@@ -107,12 +107,14 @@ CLEANUP_THREADS = ("resilient_ddp-release", "resilient_ddp-forget")
 SETTLE_S = 2.0
 
 
-def _settle() -> None:
-    """Wait (at most ``SETTLE_S``) for the clean-up threads still running to end."""
+def _settle() -> bool:
+    """Wait (at most ``SETTLE_S``) for the clean-up threads still running to end; whether
+    they all did."""
     deadline = time.monotonic() + SETTLE_S
     for t in threading.enumerate():
         if t.name in CLEANUP_THREADS:
             t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.name in CLEANUP_THREADS for t in threading.enumerate())
 
 
 def resources() -> dict[str, int | None]:
@@ -124,7 +126,7 @@ def resources() -> dict[str, int | None]:
     and threads are the least of three reads 10 ms apart: another thread's short-lived
     ones do not count. Taken once the clean-up of earlier generations ended
     (``_settle``)."""
-    _settle()
+    settled = _settle()
     fds, threads = [], []
     for _ in range(3):
         fds.append(_fds())
@@ -135,6 +137,9 @@ def resources() -> dict[str, int | None]:
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
     return {
+        # False: a clean-up thread outlived SETTLE_S (a loaded machine): its group's sockets
+        # and threads are counted in this sample, on their way out.
+        "settled": int(settled),
         "fds": min(fds),
         "threads": min(threads),
         "rss_kib": raw,

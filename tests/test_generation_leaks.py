@@ -48,7 +48,7 @@ def _table(finals: list[dict[str, Any]]) -> str:
             lines.append(
                 f"{v['pid']:<7} {v['uid']:<4} {s['cycle']:>5}  {s['fds']:>3}  {s['threads']:>7}"
                 f"  {s['rss_kib'] / 1024:7.1f}  {s['live_kib'] / 1024:8.1f}  {s['heap_kib']!s:>8}"
-                f"  {s['keys']:>10}"
+                f"  {s['keys']:>10}" + ("" if s.get("settled", 1) else "  (clean-up still running)")
             )
     return "\n".join(lines)
 
@@ -99,8 +99,15 @@ def test_fds_threads_and_memory_stay_flat_over_twenty_kill_and_rejoin_cycles() -
         samples = v["samples"]
         assert [s["cycle"] for s in samples] == list(range(1, CYCLES + 1)), table
         first = samples[0]
-        assert {s["fds"] for s in samples} == {first["fds"]}, f"descriptors grew\n{table}"
-        assert {s["threads"] for s in samples} == {first["threads"]}, f"threads grew\n{table}"
+        # Samples taken while a clean-up thread still ran (past SETTLE_S, under load) hold
+        # what it is releasing: descriptors and threads are compared on the others, which
+        # must be most of them and include the last cycles (a leak stays; clean-up ends).
+        settled = [s for s in samples if s["settled"]]
+        assert len(settled) >= CYCLES - 3, f"clean-up outran its settle time too often\n{table}"
+        assert samples[-1]["settled"] or samples[-2]["settled"], table
+        base = settled[0]
+        assert {s["fds"] for s in settled} == {base["fds"]}, f"descriptors grew\n{table}"
+        assert {s["threads"] for s in settled} == {base["threads"]}, f"threads grew\n{table}"
         growth = max(s["live_kib"] for s in samples) - first["live_kib"]
         assert growth <= LIVE_RSS_TOLERANCE_KIB, f"live memory grew {growth} KiB\n{table}"
         heap = [s["heap_kib"] for s in samples]

@@ -27,7 +27,7 @@ from resilient_ddp._elastic_protocol import Proposal, ShrinkDecision
 from resilient_ddp.errors import ControlPlaneError
 
 from ._counting_store import CountingStore
-from .test_elastic_protocol import _rt as protocol_rt
+from ._fake_runtime import fake_runtime as protocol_rt
 
 BASE = "rec/g0/r0"
 LOG = f"{BASE}/log"

@@ -1175,6 +1175,9 @@ class _Collector(threading.Thread):
                 prev = self.seen[r] = (key, now)
             stuck = (
                 s.get("status") == "running"
+                # Waiting inside the library (a delivery's store write to a store host
+                # that is slow to read it) is a bounded wait of ours, not a hang.
+                and not s.get("inside")
                 and float(s.get("idle", 0.0)) >= window
                 and now - prev[1] >= window
             )
