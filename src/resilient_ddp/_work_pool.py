@@ -25,6 +25,8 @@ Keys of inference call ``c``, under the current generation's prefix (``rd/<job>/
                        and their SHA-256; deleted by rank 0 once read
 ``inf/<c>/res/<t>/<k>`` part ``k`` of ticket ``t``'s delivery when it is split (at most
                        :data:`PART_BYTES` each); deleted by rank 0 once read
+``inf/<c>/given_up``   the workers rank 0 gave up on, and why (JSON), written before
+                       ``END``: one resumed late raises instead of returning
 ``inf/<c>/guests``     replacements that came to help (a counter): helper ``k`` works as
                        worker ``world_size + k`` (its lease under that number)
 ``inf/<c>/guest/<w>/beat`` helper ``w``'s heartbeat (a counter it bumps every
@@ -360,6 +362,11 @@ class Keys:
 
     def res(self, ticket: int) -> str:
         return f"{self.base}/res/{ticket}"
+
+    @property
+    def given_up(self) -> str:
+        """The workers rank 0 gave up on, and why (JSON; written before ``END``)."""
+        return f"{self.base}/given_up"
 
     @property
     def guests(self) -> str:

@@ -535,6 +535,8 @@ class _Pool:
                     t = worker.deliver(delivery)
                     if collector is not None:
                         yield from collector.ready()
+            if collector is None:
+                self._raise_if_given_up(store, keys)
             if collector is not None:
                 while not collector.finished.wait(0.02):
                     self._check_abort(collector)
@@ -582,6 +584,30 @@ class _Pool:
             self._dl = None  # its workers end with it
         # Left as they were on an error: the failure report says where this rank was.
         rt.step, rt.phase = step, phase
+
+    def _raise_if_given_up(self, store: _Guarded, keys: wp.Keys) -> None:
+        """Raise on a worker that rank 0 gave up on (stopped, hung, silent) and that got to
+        the end of the call anyway (it was resumed late): its work was redone by others
+        and what it delivered since was dropped. Told by its watchdog, it usually raises
+        sooner; this makes it certain. One ``check`` (and a ``get`` when someone was given
+        up on)."""
+        try:
+            if not store.check([keys.given_up]):
+                return
+            gone = json.loads(store.get(keys.given_up))
+        except (ResilientDDPError, ValueError):
+            return
+        why = gone.get(str(self.rank)) if isinstance(gone, dict) else None
+        if not isinstance(why, str):
+            return
+        raise RankFailureError(
+            f"{_worker_name(self.rank, self.world)}: rank 0 gave this process's "
+            f"distributed_inference work to the others because it {why}; what it delivered "
+            "after that was dropped. Raised here, in the main thread.",
+            culprits=[ctl.to_culprit(ctl.culprit_from(self.rank, what=why))],
+            op="distributed_inference",
+            generation=self.rt.generation,
+        )
 
     def raise_poison(self, results: list[Any] | None) -> None:
         if not self.poison:
@@ -962,7 +988,7 @@ class _Collector(threading.Thread):
             self.finished.set()
 
     def _loop(self) -> None:
-        rt, led, keys = self.rt, self.ledger, self.keys
+        rt, led = self.rt, self.ledger
         backoff = ctl.Backoff(1, 4)
         hb = rt.config.heartbeat_interval.total_seconds()
         next_look = time.monotonic()
@@ -1003,20 +1029,29 @@ class _Collector(threading.Thread):
                 backoff.reset()
             backoff.sleep()
         if not self.stop.is_set():
-            self.store.add(keys.redo_n, wp.END)
-            # Kept until the generation is forgotten: a rank resumed late may still read
-            # them (a get of a deleted key would block).
-            names = [keys.lease(r) for r in range(rt.world_size)]
-            names += [keys.redo(k) for k in range(self.n_pub)]
-            # A ticket not taken (its rank died or was given up on): the parts of a split
-            # delivery it left go now; its record, if one comes late, with the generation.
-            for t in range(self.ledger.published):
-                if t not in self.ledger.delivered:
-                    with contextlib.suppress(Exception):
-                        wp.sweep_parts(self.store, keys, t)
-                    names.append(keys.res(t))
-            with contextlib.suppress(Exception):
-                self.control.note_keys(names)
+            self._end_call()
+
+    def _end_call(self) -> None:
+        """End the call for every worker: who was given up on (a late one raises), then
+        ``END``; note the keys to forget with the generation."""
+        rt, keys = self.rt, self.keys
+        if self.given_up:
+            gone = {str(r): why for r, why in self.given_up.items()}
+            self.store.set(keys.given_up, json.dumps(gone))
+        self.store.add(keys.redo_n, wp.END)
+        # Kept until the generation is forgotten: a rank resumed late may still read
+        # them (a get of a deleted key would block).
+        names = [keys.lease(r) for r in range(rt.world_size)] + [keys.given_up]
+        names += [keys.redo(k) for k in range(self.n_pub)]
+        # A ticket not taken (its rank died or was given up on): the parts of a split
+        # delivery it left go now; its record, if one comes late, with the generation.
+        for t in range(self.ledger.published):
+            if t not in self.ledger.delivered:
+                with contextlib.suppress(Exception):
+                    wp.sweep_parts(self.store, keys, t)
+                names.append(keys.res(t))
+        with contextlib.suppress(Exception):
+            self.control.note_keys(names)
 
     def _leases(self) -> dict[int, int]:
         ranks = sorted(self.live())
