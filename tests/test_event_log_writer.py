@@ -31,7 +31,7 @@ def _rt(path: str) -> Any:
         identity={"host": "h"},
         generation=0,
         config=SimpleNamespace(event_log=path),
-        event_path=None,
+        event_file=lambda template: template.replace("{rank}", "0"),  # Runtime.event_file
     )
 
 

@@ -70,11 +70,9 @@ def record(rt: Runtime, kind: str, **fields: Any) -> dict[str, Any]:
     }
     template = rt.config.event_log
     if template:
-        if rt.event_path is None:
-            # The rank of the first event: a process keeps its file when elastic training
-            # renumbers the ranks.
-            rt.event_path = template.replace("{rank}", str(rt.rank))
-        writer.put(rt.event_path, (json.dumps(event, default=str) + "\n").encode())
+        # The rank of the first event: a process keeps its file when elastic training
+        # renumbers the ranks.
+        writer.put(rt.event_file(template), (json.dumps(event, default=str) + "\n").encode())
     return event
 
 

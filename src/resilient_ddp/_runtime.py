@@ -384,6 +384,129 @@ class Runtime:
                 f"The control-plane store did not take a new connection ({type(e).__name__}: {e})."
             ) from e
 
+    # -- changes asked for by other modules --------------------------------------------------
+    # Only this class writes its fields (tests/test_runtime_owner.py scans for writes from
+    # outside): each change another module makes is one of these named operations.
+    def start_watchdog(
+        self, infos: dict[int, dict[str, Any]], make: Callable[[Runtime], Watchdog]
+    ) -> None:
+        """Keep every rank's attach record ``infos``, then start the watchdog thread that
+        ``make`` builds for this runtime (``make`` may read ``infos``). Does not block."""
+        self.infos = infos
+        self.watchdog = make(self)
+        self.watchdog.start()
+
+    def stop_watchdog(self) -> None:
+        """Stop the watchdog thread, if there is one, and forget it.
+
+        Blocks until the thread ends, at most ``watchdog_stop_wait`` seconds (then it is
+        forgotten anyway; a daemon thread, it ends with its next tick).
+        """
+        if self.watchdog is not None:
+            self.watchdog.stop(timeout=_timings.watchdog_stop_wait(self.config))
+            self.watchdog = None
+
+    def watchdog_started(self) -> None:
+        """The watchdog thread began its loop: the store's stall clock starts now."""
+        self.watchdog_tick = time.monotonic()
+
+    def watchdog_stopped(self) -> None:
+        """The watchdog thread stops: a stopped watchdog is not a stalled store."""
+        self.watchdog_tick = 0.0
+
+    def note_straggler_report(self, report: dict[str, Any]) -> None:
+        """Keep the latest straggler report (rank 0's watchdog; see straggler_report)."""
+        self.last_straggler_report = report
+
+    def start_elastic(self, elastic: Elastic) -> None:
+        """Give this runtime its elastic state (``on_failure="shrink"``)."""
+        self.elastic = elastic
+
+    def enter_generation(self, generation: int, rank: int, world_size: int) -> None:
+        """This process is now ``rank`` of ``world_size`` in generation ``generation``
+        (its group was just formed): its control plane is that generation's, the failures
+        known of the previous one are forgotten, and it runs."""
+        self.rank, self.world_size = rank, world_size
+        self.identity["rank"] = rank
+        self.generation = generation
+        self.control = ctl.ControlPlane(self.control_root, generation)
+        with self.lock:
+            self.failures.clear()
+            self.left.clear()
+        self.status = "running"
+
+    def restart_op_numbering(self) -> None:
+        """Op sequence numbers start again at 0 (a new generation), and so does the last
+        op a heartbeat shows (none)."""
+        self.seq = 0
+        self.op, self.op_seq = "", -1
+
+    def clear_raised(self, *, notify_again: bool) -> None:
+        """This rank recovered from the failure it raised (elastic training goes on):
+        its departure would no longer be a consequence of one. With ``notify_again``, the
+        next failure calls the failure listeners again (see notify_failure)."""
+        self.raised = False
+        if notify_again:
+            self.failure_notified = False
+
+    def keep_stuck(self, work: Any) -> None:
+        """Keep a backend ``work`` (or future) that never completed, or failed, for good:
+        its destructor can block on a stopped peer or abort on a dead one (see ``stuck``)."""
+        self.stuck.append(work)
+
+    def take_stuck(self) -> list[Any]:
+        """The works kept by :meth:`keep_stuck`, handed over (to retire with their group)
+        and no longer kept here."""
+        works = list(self.stuck)
+        self.stuck.clear()
+        return works
+
+    def count_mismatch(self) -> int:
+        """Count one more collective mismatch found on this rank; the count so far."""
+        self.mismatches += 1
+        return self.mismatches
+
+    def set_compute_time(self, seconds: float) -> None:
+        """The median local compute time of recent steps, in seconds (published in the
+        heartbeat for the straggler report)."""
+        self.compute_s = seconds
+
+    def event_file(self, template: str) -> str:
+        """This process's event log file: ``template`` with ``{rank}`` replaced by the
+        rank of its first event, kept for the life of the process (elastic training may
+        renumber the ranks)."""
+        if self.event_path is None:
+            self.event_path = template.replace("{rank}", str(self.rank))
+        return self.event_path
+
+    def begin_inference_call(self) -> None:
+        """Count one more ``distributed_inference`` call (every rank counts its calls
+        alike, so the count names the call on every rank)."""
+        self.inference_calls += 1
+
+    def set_inference_calls(self, calls: int) -> None:
+        """The ``distributed_inference`` calls counted so far are ``calls`` (a guest takes
+        the count of the job it helps)."""
+        self.inference_calls = calls
+
+    def set_inference_progress(self, call: int, done: int) -> None:
+        """Call number ``call`` of ``distributed_inference`` has ``done`` items done by
+        this rank (published in the heartbeat)."""
+        self.progress = [call, done]
+
+    def end_inference_progress(self) -> None:
+        """No ``distributed_inference`` call is under way any more."""
+        self.progress = None
+
+    def enter_local_forward(self) -> None:
+        """From now until the matching :meth:`leave_local_forward`, ``ResilientDDP``
+        forwards run the wrapped module alone (inference; nestable)."""
+        self.local_forward += 1
+
+    def leave_local_forward(self) -> None:
+        """Ends the matching :meth:`enter_local_forward`."""
+        self.local_forward -= 1
+
     # -- healthy path ------------------------------------------------------------------------
     def begin_op(self, name: str) -> int:
         """Assign the next sequence number to op ``name`` and raise if it cannot succeed."""

@@ -323,14 +323,14 @@ class Op:
         if not p.done or p.backend_error is not None:
             # Never let a failed gloo work be destructed by the garbage collector: its
             # destructor can block on a stopped peer or throw (SIGABRT) on a dead one.
-            self.rt.stuck.append(work)
+            self.rt.keep_stuck(work)
 
     def keep_stuck(self, work: Any) -> None:
         """Keep a backend ``work`` that is still pending for good (``Runtime.stuck``,
         released with its group once that is retired): a pending gloo work's destructor
         blocks on a stopped peer until the backend timeout."""
         if not work.is_completed():
-            self.rt.stuck.append(work)
+            self.rt.keep_stuck(work)
 
     # -- running -----------------------------------------------------------------------------
     def run(
@@ -394,9 +394,8 @@ class Op:
         if int(probe[0]) == h and int(-probe[1]) == h:
             return
         # Every rank saw the same MAX/MIN, so every rank takes this path: exchange the details.
-        rt.mismatches += 1
+        k = rt.count_mismatch()
         rt.mark_raised()
-        k = rt.mismatches
         mine = {"seq": str(self.seq), **{key: str(v) for key, v in sig.items()}}
         rt.control.publish_signature(k, rt.rank, mine)
         table = rt.control.read_signatures(

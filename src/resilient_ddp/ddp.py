@@ -640,7 +640,7 @@ class ResilientDDP(DistributedDataParallel):
                 *self.compute_times[-19:],
                 time.monotonic() - self._rd_compute_start,
             ]
-            rt.compute_s = sorted(self.compute_times)[len(self.compute_times) // 2]
+            rt.set_compute_time(sorted(self.compute_times)[len(self.compute_times) // 2])
         rest = ops  # not waited for (yet)
         try:
             if error is not None:

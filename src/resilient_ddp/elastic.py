@@ -342,8 +342,9 @@ def setup(rt: Runtime) -> None:
     # The counter first: the watchdog reads it in its poll once rt.elastic is set.
     _jobs(rt.control_root).init_joins()
     # The first generation's member ids are its ranks; joiners get other ids.
-    rt.elastic = Elastic(uid=rt.rank, members=list(range(rt.world_size)))
-    rt.elastic.note_world(rt, "start")
+    el = Elastic(uid=rt.rank, members=list(range(rt.world_size)))
+    rt.start_elastic(el)
+    el.note_world(rt, "start")
 
 
 # -- shrink ------------------------------------------------------------------------------------
@@ -439,8 +440,7 @@ def recover(
             continue
         break
     _publish_members(rt, gen_from, world)
-    rt.raised = False
-    rt.failure_notified = False  # the next failure calls the listeners again
+    rt.clear_raised(notify_again=True)  # the next failure calls the listeners again
     # Only the ranks the group lost: a timeout can also name a rank that merely gave up
     # first (it was recovering already, and is still a member).
     lost = [c for c in first_culprits if c.rank in dec["lost"]]
@@ -919,8 +919,7 @@ def _rebuild(rt: Runtime, gen: int, rank: int, members: list[int]) -> None:
     rebuild(rt, gen, timeout_s=timeout_s, rank=rank, world_size=len(members))
     # Op sequence numbers start again with the generation (joiners start at 0); so does
     # the last op a heartbeat shows, or a peer's diagnosis would compare across generations.
-    rt.seq = 0
-    rt.op, rt.op_seq = "", -1
+    rt.restart_op_numbering()
     rt.elastic_state().members = list(members)
 
 
@@ -1522,7 +1521,8 @@ def _admit(
     )
     # The members admit at the first forward with ``at`` steps committed: its watchdog may
     # acknowledge requests before the state (which says the same) arrives.
-    rt.elastic = el = Elastic(uid=uid, members=members, committed=int(adm["at"]))
+    el = Elastic(uid=uid, members=members, committed=int(adm["at"]))
+    rt.start_elastic(el)
     _jobs(root).post_ready(gen, rank)
     error: BaseException | None = None
     state: dict[str, Any] = {}
@@ -1536,7 +1536,7 @@ def _admit(
     except (RankFailureError, ControlPlaneError) as e:
         error = e
     if _admission_result(rt, adm, rank, ok=error is None):
-        rt.raised = False
+        rt.clear_raised(notify_again=False)
         el.received = state
         el.committed = int(state["committed"])
         el.history = list(state.get("history", []))
@@ -1545,9 +1545,7 @@ def _admit(
         rt.begin_startup()
         return rt, state, None
     _runtime.set_current(None)
-    if rt.watchdog is not None:
-        rt.watchdog.stop(timeout=_timings.watchdog_stop_wait(cfg))
-        rt.watchdog = None
+    rt.stop_watchdog()
     log.warning(
         "joiner %d: admission to generation %d failed: %s",
         uid,

@@ -440,7 +440,7 @@ class _Pool:
         rt = self.rt
         if self.guest is not None and self.guest.served:
             return  # a later call of the members': they run it without this process
-        rt.inference_calls += 1  # every rank counts its calls alike
+        rt.begin_inference_call()  # every rank counts its calls alike
         self.call = call = rt.inference_calls
         keys = wp.Keys(call)
         store = _Guarded(rt.control.store)
@@ -504,7 +504,7 @@ class _Pool:
                 ledger = wp.Ledger(todo, self.max_item_failures)
                 collector = _Collector(self, keys, ledger)
                 collector.start()
-            rt.progress = [call, 0]
+            rt.set_inference_progress(call, 0)
             with _local_forward(rt), torch.no_grad():
                 t = worker.first()
                 while True:
@@ -580,7 +580,7 @@ class _Pool:
             if collector is not None:
                 collector.stop.set()
                 collector.join(timeout=rt.store_timeout_s + 1.0)
-            rt.progress = None
+            rt.end_inference_progress()
             self._dl = None  # its workers end with it
         # Left as they were on an error: the failure report says where this rank was.
         rt.step, rt.phase = step, phase
@@ -770,7 +770,7 @@ class _Pool:
                 indices.extend(group)
                 results.extend(out)
             self.done += len(group)
-            rt.progress = [self.call, self.done]
+            rt.set_inference_progress(self.call, self.done)
             _mark_progress()
         compute = time.monotonic() - t0
         name = ""
@@ -806,7 +806,7 @@ def _guest_runtime(guest: _guest.Guest) -> Runtime:
         config=guest.config,
         generation=guest.generation,
     )
-    rt.inference_calls = guest.call - 1  # run() counts this one
+    rt.set_inference_calls(guest.call - 1)  # run() counts this one
     return rt
 
 
@@ -1467,11 +1467,11 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
 @contextmanager
 def _local_forward(rt: Runtime) -> Iterator[None]:
     """While active, :class:`ResilientDDP` forwards run the wrapped module alone."""
-    rt.local_forward += 1
+    rt.enter_local_forward()
     try:
         yield
     finally:
-        rt.local_forward -= 1
+        rt.leave_local_forward()
 
 
 def _split(out: Any, n: int) -> list[Any]:
@@ -1531,9 +1531,9 @@ class _Progress:
         self._start = time.monotonic()
 
     def __enter__(self) -> _Progress:
-        self.rt.inference_calls += 1  # every rank counts its calls alike
+        self.rt.begin_inference_call()  # every rank counts its calls alike
         self.call = self.rt.inference_calls
-        self.rt.progress = [self.call, 0]
+        self.rt.set_inference_progress(self.call, 0)
         if self.callback is not None:
             self._thread = threading.Thread(
                 target=self._run, name="resilient_ddp-progress", daemon=True
@@ -1543,7 +1543,7 @@ class _Progress:
 
     def advance(self, n: int) -> None:
         self.done += n
-        self.rt.progress = [self.call, self.done]
+        self.rt.set_inference_progress(self.call, self.done)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -1551,7 +1551,7 @@ class _Progress:
             self._thread.join()
             if exc[0] is None and self.callback is not None:
                 self.callback(self.total, self.total)
-        self.rt.progress = None
+        self.rt.end_inference_progress()
 
     def _run(self) -> None:
         control = self.rt.connection("progress")

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import _clock, _timings
+from . import _clock
 from . import _control as ctl
 from ._backend import abort_group, default_pg_timeout, forget_failed_init
 from ._runtime import Runtime
@@ -107,8 +107,7 @@ def rebuild(
         # that destroy does not wait on the stale op.
         abort_group()
         # Kept until no reducer holds it, then released (see release_retired).
-        retire_group(dist.group.WORLD, rt.stuck)
-        rt.stuck.clear()
+        retire_group(dist.group.WORLD, rt.take_stuck())
         dist.destroy_process_group()
     store = dist.PrefixStore(f"g{generation}/pg", rt.control_root)
     try:
@@ -129,21 +128,12 @@ def rebuild(
                 generation=rt.generation,
             )
         ) from e
-    if rt.watchdog is not None:
-        rt.watchdog.stop(timeout=_timings.watchdog_stop_wait(rt.config))
-        rt.watchdog = None
+    rt.stop_watchdog()
     # Later ops must not inherit the short rendezvous timeout.
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is not None:
         set_timeout(rt.backend_timeout or default_pg_timeout(backend))
-    rt.rank, rt.world_size = rank, world_size
-    rt.identity["rank"] = rank
-    rt.generation = generation
-    rt.control = ctl.ControlPlane(rt.control_root, generation)
-    with rt.lock:
-        rt.failures.clear()
-        rt.left.clear()
-    rt.status = "running"
+    rt.enter_generation(generation, rank, world_size)
     try:
         _join_control_plane(rt, timeout=timedelta(seconds=max(timeout_s, 1.0)))
     except PreflightError as e:

@@ -233,9 +233,7 @@ def _join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:
             "(or its first resilient_ddp collective) at start-up.",
             problems=[f"rank {r} never attached" for r in missing],
         )
-    rt.infos = c.read_infos(list(range(rt.world_size)))
-    rt.watchdog = Watchdog(rt)
-    rt.watchdog.start()
+    rt.start_watchdog(c.read_infos(list(range(rt.world_size))), Watchdog)
 
 
 def ensure_runtime(config: ResilienceConfig | None = None) -> Runtime:

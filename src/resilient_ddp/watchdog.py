@@ -216,10 +216,10 @@ class Watchdog(threading.Thread):
         """Ask the thread to stop and wait for it (at most ``timeout`` seconds)."""
         self._stop_event.set()
         self._wake.set()
-        self.rt.watchdog_tick = 0.0  # a stopped watchdog is not a stalled store
+        self.rt.watchdog_stopped()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
-        self.rt.watchdog_tick = 0.0
+        self.rt.watchdog_stopped()
 
     def poke(self) -> None:
         """Run the next tick now instead of at the end of the interval.
@@ -244,7 +244,7 @@ class Watchdog(threading.Thread):
             self._give_up(e, f"because its loop failed ({qualname(type(e))}: {e})", logged=False)
 
     def _loop(self) -> None:
-        self.rt.watchdog_tick = time.monotonic()
+        self.rt.watchdog_started()
         while not self._stop_event.is_set():
             completed = True
             try:
@@ -585,7 +585,7 @@ class Watchdog(threading.Thread):
 
         self._next_straggler_check = time.monotonic() + self._straggler_every
         report = straggler_report(self.rt, self.control)
-        self.rt.last_straggler_report = report
+        self.rt.note_straggler_report(report)
         for r in range(self.rt.world_size):
             streak = self._slow_streak.get(r, 0) + 1 if r in report["stragglers"] else 0
             self._slow_streak[r] = streak
