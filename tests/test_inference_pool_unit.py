@@ -305,7 +305,7 @@ def test_a_rank_dying_while_writing_parts_leaves_no_delivery(
     assert keys.part(t, 3) in store.data  # parts are there ...
     assert keys.res(t) not in store.data  # ... but no record: rank 0 takes nothing
     # Rank 0 gives the ticket back; rank 2 runs it and delivers it whole.
-    led.requeue(t, "rank 1 died", 1, {0, 2})
+    led.requeue(t, "rank 1 died", 1, {2})  # rank 2 alone to run it: one piece
     assert led.entry_of(t2).items == chunks[0].items  # ticket 1: the redo entry
     w2.deliver(_big(t2, led.entry_of(t2), 2))
     d = wp.take(store, keys, None, t2)
@@ -343,7 +343,7 @@ def test_a_late_split_delivery_of_a_redone_chunk_is_dropped() -> None:
     led = wp.Ledger(chunks, 2)
     w1, w2 = wp.Worker(store, keys, 1, None), wp.Worker(store, keys, 2, None)
     t1, t2 = w1.first(), w2.first()
-    led.requeue(t1, "rank 1 hung", 1, {0, 2})  # ticket 1 = the redo entry, rank 2's
+    led.requeue(t1, "rank 1 hung", 1, {2})  # ticket 1 = the redo entry (one piece), rank 2's
     w2.deliver(_big(t2, led.entry_of(t2), 2))
     d2 = wp.take(store, keys, None, t2)
     assert d2 is not None
@@ -534,3 +534,23 @@ def test_a_joiner_helps_only_with_the_inference_of_a_job_that_admits_nobody(
         return
     assert isinstance(got, _guest.Guest)
     assert (got.uid, got.generation, got.call, got.world_size) == (7, 2, 1, 3)
+
+
+def test_a_lost_chunk_goes_back_in_one_piece_per_live_worker() -> None:
+    """The survivors share a failed rank's chunk (consecutive slices, one per live worker
+    but the failed one) instead of one of them running it alone at the end; it is still
+    recorded as one piece of work redone."""
+    led = wp.Ledger(wp.plan_chunks(40, 10), 2)  # 4 chunks: tickets 0-3
+    entries = led.requeue(1, "rank 3 died", 3, {0, 1, 2, 3})
+    assert [e.items for e in entries] == [
+        tuple(range(10, 14)),
+        tuple(range(14, 18)),
+        tuple(range(18, 20)),
+    ]
+    assert [e.why for e in entries] == ["rank 3 died"] * 3
+    assert len(led.redone) == 1
+    assert led.redone[0]["items"] == 10
+    assert led.published == 4 + 3
+    # Fewer items than workers: one item a piece; nobody else alive: one piece.
+    assert len(wp.Ledger(wp.plan_chunks(2, 2), 2).requeue(0, "x", 5, {0, 1, 2, 5})) == 2
+    assert len(wp.Ledger(wp.plan_chunks(6, 6), 2).requeue(0, "x", 1, {1})) == 1

@@ -548,7 +548,9 @@ class Ledger:
             self.requeued.add(ticket)  # its holder was given up on: published again
 
     def requeue(self, ticket: int, why: str, rank: int, live: set[int]) -> list[Entry]:
-        """Return ticket ``ticket``'s undone items to the pool, once."""
+        """Return ticket ``ticket``'s undone items to the pool, once: in one entry per
+        live worker (consecutive slices, at most that many), so that the survivors share
+        a lost chunk instead of one of them running it alone at the end."""
         if ticket in self.requeued or ticket in self.delivered:
             return []
         if ticket >= self.published:
@@ -562,7 +564,12 @@ class Ledger:
         self.redone.append(
             {"ticket": ticket, "chunk": e.chunk, "rank": rank, "why": why, "items": len(left)}
         )
-        return self.publish(Entry(e.chunk, tuple(left), e.exclude, why), live)
+        pieces = max(1, min(len(live - {rank}) or 1, len(left)))
+        size = -(-len(left) // pieces)
+        out: list[Entry] = []
+        for k in range(0, len(left), size):
+            out += self.publish(Entry(e.chunk, tuple(left[k : k + size]), e.exclude, why), live)
+        return out
 
     def accept(self, d: Delivery, live: set[int]) -> tuple[list[int], list[Entry]]:
         """Take delivery ``d``: returns the indices newly done (results to keep; a late
