@@ -829,8 +829,9 @@ def render_inference(data: dict[str, Any]) -> list[str]:
         detection = ", ".join(f"`{k}={v:g}`" for k, v in fc.items())
         lines += [
             f"**A rank killed at {kill['killed_at_fraction']:.0%} of the work** (rank "
-            f"{kill['victim']} SIGKILLs itself; {kill['items']} log-normal items, chunks of "
-            f"{kill['chunk_items']} items, mean chunk {kill['mean_chunk_s']:.2f} s of work, "
+            f"{kill['victim']} SIGKILLs itself; {kill['items']} log-normal items, default "
+            f"chunks (up to {kill['chunk_items']} items, the last ones smaller), mean chunk "
+            f"{kill['mean_chunk_s']:.2f} s of work, "
             f"config {detection or 'default'}).",
             "",
             *md_table(
