@@ -79,8 +79,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("_torchelastic", "_runtime"),  # deferred: the current runtime
     ("watchdog", "elastic"),  # deferred: join requests and shrink from the watchdog
     ("membership", "process_group"),  # joining the control plane, retiring groups
-    ("collectives", "process_group"),  # ensure_runtime (attach on first use)
-    ("checkpoint", "process_group"),  # ensure_runtime
 }
 
 

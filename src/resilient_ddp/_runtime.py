@@ -40,6 +40,7 @@ from .config import ResilienceConfig, duration_seconds
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    ConfigError,
     ControlPlaneError,
     Culprit,
     RankFailureError,
@@ -1661,6 +1662,36 @@ _prev_thread_hook: Callable[..., Any] | None = None
 
 def current() -> Runtime | None:
     return _runtime
+
+
+#: Attaches a runtime to torch's default group on first use: set by ``process_group`` (the
+#: layer that owns the group's life) when it is imported, so that the operations below it
+#: find their runtime without importing it.
+_attach: Callable[[ResilienceConfig | None], Runtime] | None = None
+
+
+def set_attach(attach: Callable[[ResilienceConfig | None], Runtime]) -> None:
+    global _attach
+    _attach = attach
+
+
+def ensure_runtime(config: ResilienceConfig | None = None) -> Runtime:
+    """The current runtime, attaching to torch's default group on first use.
+
+    Blocks while attaching (at most ``config.init_timeout``).
+
+    Raises:
+        ConfigError: No process group (or this process is a guest of an inference call).
+        PreflightError: Some rank did not attach in time.
+    """
+    rt = _runtime
+    if rt is None:
+        if _attach is None:  # pragma: no cover - process_group is imported with the package
+            raise ConfigError(
+                "No process group: call resilient_ddp.init_process_group() on every rank first."
+            )
+        rt = _attach(config)
+    return rt
 
 
 def set_current(rt: Runtime | None) -> None:

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from ._backend import comm_device
+from ._runtime import ensure_runtime
 from ._wire import SafeUnpickler, dumps, loads
 from .collectives import Duration, Op, op_signature
 from .errors import CollectiveMismatchError, ConfigError, Culprit, RankFailureError
-from .process_group import ensure_runtime
 
 __all__ = ["broadcast_state_dict", "load_and_broadcast"]
 

@@ -40,7 +40,7 @@ from . import _control as ctl
 from . import _events, _progress, _timings
 from ._backend import comm_device
 from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
-from ._runtime import PendingOp
+from ._runtime import PendingOp, ensure_runtime
 from ._wire import dumps, loads
 from .config import SHORTEST_TIMEOUT, RetryPolicy, duration_seconds
 from .errors import (
@@ -51,7 +51,6 @@ from .errors import (
     RetryBudgetExhaustedError,
     format_rank_table,
 )
-from .process_group import ensure_runtime
 
 __all__ = [
     "all_gather",

@@ -236,14 +236,14 @@ def _join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:
     rt.start_watchdog(c.read_infos(list(range(rt.world_size))), Watchdog)
 
 
-def ensure_runtime(config: ResilienceConfig | None = None) -> Runtime:
-    """The current runtime, attaching to torch's default group on first use."""
-    rt = _runtime.current()
-    if rt is None:
-        if _guest.current() is not None:
-            raise ConfigError(f"No process group here: {_guest.ONLY}.")
-        rt = attach(config)
-    return rt
+def _attach_on_first_use(config: ResilienceConfig | None) -> Runtime:
+    if _guest.current() is not None:
+        raise ConfigError(f"No process group here: {_guest.ONLY}.")
+    return attach(config)
+
+
+_runtime.set_attach(_attach_on_first_use)
+ensure_runtime = _runtime.ensure_runtime  # the operations' way in, for the layers above
 
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
