@@ -68,6 +68,16 @@ def _init(cfg: dict[str, Any]) -> None:
     rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
 
 
+def wait_for(flag: str | Path, limit_s: float, *, mark: bool = False) -> None:
+    """Wait (at most ``limit_s``) for file ``flag`` to exist; with ``mark``, as a rank that
+    works (``rd.progress()`` while it waits: its peers must not name it stuck)."""
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        if mark:
+            rd.progress()
+        time.sleep(0.002)
+
+
 def make_fn(
     rank: int, kind: str, culprit: int, at: int, hang_lock: threading.Lock, flag: str = ""
 ) -> Any:
@@ -95,9 +105,7 @@ def make_fn(
         if rank == culprit and kind == "raise" and fired[0]:
             raise ValueError(f"rank {rank} is broken")
         if rank != culprit and late and flag and kind in FAULTS:
-            deadline = time.monotonic() + 30
-            while not os.path.exists(flag) and time.monotonic() < deadline:
-                time.sleep(0.002)
+            wait_for(flag, 30)
         if kind == "poison" and bool((batch[:, 0] == POISON).any()):
             raise ValueError(f"item {POISON} is poison")
         time.sleep(ITEM_S * n)
@@ -350,19 +358,10 @@ def pool_guest(rank: int, flags: str, late: bool = False) -> Any:
     joiner = os.environ.get("RESILIENT_DDP_JOINER", "") not in ("", "0")
     guest_flag, fired, done = Path(flags) / "guest", Path(flags) / "fired", Path(flags) / "done"
     if late and joiner:
-        # Pinned: the replacement asks to join only once rank 0 has its results.
-        deadline = time.monotonic() + 45
-        while not done.exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for(done, 45)  # pinned: it asks to join only once rank 0 has its results
     _init(FAST)
     at = N - 3 * CHUNK if late else GUEST_AT  # 3 chunks: ranks 0 and 2 hold one each
     try:
-
-        def hold(flag: Path) -> None:
-            deadline = time.monotonic() + 45
-            while not flag.exists() and time.monotonic() < deadline:
-                rd.progress()
-                time.sleep(0.005)
 
         def fn(batch: torch.Tensor) -> torch.Tensor:
             top = int(batch[:, 0].max())
@@ -375,9 +374,9 @@ def pool_guest(rank: int, flags: str, late: bool = False) -> Any:
                 # a ticket (a look that read a state it has not got would block).
                 time.sleep(3 * FAST["heartbeat_interval"])
             elif late and top >= at:
-                hold(fired)
+                wait_for(fired, 45, mark=True)
             elif not late and top >= GUEST_HOLD:
-                hold(guest_flag)
+                wait_for(guest_flag, 45, mark=True)
             time.sleep(ITEM_S * batch.shape[0])
             return batch * 3 + 1
 

@@ -2106,6 +2106,14 @@ def phase(name: str) -> Iterator[None]:
         rt.phase = prev
 
 
+def in_own_wait(inside: object, phase: object) -> bool:
+    """Whether a rank whose heartbeat says ``inside`` (its main thread's innermost frame is
+    the library's) and ``phase`` waits in one of the library's own bounded waits (a store
+    call, elastic recovery, an admission): bounded by the library, so never judged stuck
+    by its progress signals."""
+    return bool(inside) or phase == RECOVERY_PHASE
+
+
 def _culprit_extra(
     beat: dict[str, Any], state: dict[str, Any], silent_s: float, seen: float
 ) -> dict[str, Any]:
@@ -2128,7 +2136,7 @@ def _culprit_extra(
         extra["where"] = str(beat.get("where", ""))
         # In one of the library's own waits (elastic recovery, an admission): bounded by
         # the library, not judged by progress.
-        extra["inside"] = bool(beat.get("inside")) or state.get("phase") == RECOVERY_PHASE
+        extra["inside"] = in_own_wait(beat.get("inside"), state.get("phase"))
     if beat.get("section_left") is not None:
         # Seconds left in its section's budget now: what it published with that heartbeat,
         # less the time since this process saw that heartbeat (a relative duration: the

@@ -45,7 +45,7 @@ from . import _control as ctl
 from . import _events, _guest
 from . import _work_pool as wp
 from ._progress import progress as _mark_progress
-from ._runtime import Runtime
+from ._runtime import Runtime, in_own_wait
 from ._wire import to_cpu
 from .collectives import Duration, Op
 from .errors import ConfigError, ItemFailureError, RankFailureError, ResilientDDPError
@@ -469,18 +469,8 @@ class _Pool:
                 store.set(plan_key, json.dumps({"remaining": remaining, "plan": self._plan_id}))
                 with contextlib.suppress(Exception):
                     rt.control.note_keys([plan_key, keys.next, keys.redo_n])
-                with contextlib.suppress(ResilientDDPError):  # replacements may help
-                    assert jobs is not None
-                    jobs.open_inference(
-                        {
-                            "gen": rt.generation,
-                            "call": call,
-                            "world": self.world,
-                            # Elastic training (an evaluation inside it): a replacement
-                            # waits for its admission at a step boundary instead.
-                            "elastic": rt.elastic is not None,
-                        }
-                    )
+                assert jobs is not None
+                self._announce(jobs, call, closed=False)  # replacements may help
             else:
                 backoff = ctl.Backoff(self.world, 1)
                 while not store.check([plan_key]):
@@ -560,18 +550,7 @@ class _Pool:
             raise
         finally:
             if jobs is not None:
-                with contextlib.suppress(ResilientDDPError):
-                    jobs.open_inference(
-                        {
-                            "gen": rt.generation,
-                            "call": call,
-                            "closed": True,
-                            # Whether the members may still admit a joiner (elastic
-                            # training: at a step boundary); a joiner reads this, not
-                            # join/n, which its own request creates.
-                            "elastic": rt.elastic is not None,
-                        }
-                    )
+                self._announce(jobs, call, closed=True)
             if self.beat is not None:
                 self.beat.stop.set()
                 self.beat.join(timeout=rt.store_timeout_s + 1.0)
@@ -584,6 +563,21 @@ class _Pool:
             self._dl = None  # its workers end with it
         # Left as they were on an error: the failure report says where this rank was.
         rt.step, rt.phase = step, phase
+
+    def _announce(self, jobs: ctl.JobStore, call: int, *, closed: bool) -> None:
+        """Rank 0: say in the job's ``inf/open`` record that call ``call`` runs (or, with
+        ``closed``, has ended), for a replacement that asks to join meanwhile (see
+        ``elastic._inference_to_help``). Best effort: one ``set``."""
+        rt = self.rt
+        record: dict[str, Any] = {"gen": rt.generation, "call": call, "world": self.world}
+        if closed:
+            record["closed"] = True
+        # Elastic training (an evaluation inside it): a replacement waits for its admission
+        # at a step boundary instead. A joiner reads this, not join/n, which its own
+        # request creates.
+        record["elastic"] = rt.elastic is not None
+        with contextlib.suppress(ResilientDDPError):
+            jobs.open_inference(record)
 
     def _raise_if_given_up(self, store: _Guarded, keys: wp.Keys) -> None:
         """Raise on a worker that rank 0 gave up on (stopped, hung, silent) and that got to
@@ -635,10 +629,8 @@ class _Pool:
         if collector is not None and collector.error is not None:
             raise collector.error
         if self.beat is not None and self.beat.lost:
-            if worker is not None:
-                with contextlib.suppress(ResilientDDPError):
-                    if worker.redo_state() >= wp.END:
-                        return True
+            if _call_ended(worker):
+                return True
             what = self.beat.lost
             raise RankFailureError(
                 f"distributed_inference on replacement worker {self.rank} cannot finish: "
@@ -656,10 +648,8 @@ class _Pool:
             if failed or left:
                 # Rank 0 ends the call before it leaves: its departure (or a failure after
                 # the end) is no failure of this call.
-                if worker is not None:
-                    with contextlib.suppress(ResilientDDPError):
-                        if worker.redo_state() >= wp.END:
-                            return True
+                if _call_ended(worker):
+                    return True
                 raise rt.build_error(
                     "distributed_inference",
                     rt.op_seq,
@@ -896,6 +886,16 @@ class _ChunkBatches:
 
     def __len__(self) -> int:
         return len(self.groups)
+
+
+def _call_ended(worker: wp.Worker | None) -> bool:
+    """Whether rank 0 has ended the call (``END`` published): a failure of rank 0 seen
+    after that is no failure of this call. False when the store cannot tell."""
+    if worker is None:
+        return False
+    with contextlib.suppress(ResilientDDPError):
+        return worker.redo_state() >= wp.END
+    return False
 
 
 def _worker_name(worker: int, world_size: int) -> str:
@@ -1212,7 +1212,7 @@ class _Collector(threading.Thread):
                 s.get("status") == "running"
                 # Waiting inside the library (a delivery's store write to a store host
                 # that is slow to read it) is a bounded wait of ours, not a hang.
-                and not s.get("inside")
+                and not in_own_wait(s.get("inside"), s.get("phase"))
                 and float(s.get("idle", 0.0)) >= window
                 and now - prev[1] >= window
             )
