@@ -185,9 +185,17 @@ class _Bomb:
 
 
 def gather_memory(rank: int, mib: int, chunk_mib: int, how: str) -> Any:
-    """Peak RSS growth (MiB) on this rank while gathering ``mib`` MiB of its own rows."""
+    """Peak RSS growth (MiB) on this rank while gathering ``mib`` MiB of its own rows.
+
+    A first gather of two pieces' worth warms the process (the library's threads, malloc's
+    arenas, lazily imported modules), so that the growth measured is the gather's own.
+    """
     _init({"op_timeout": 30.0})
     try:
+        warm = list(torch.randn(2 * chunk_mib * 256, 1024).unbind(0))
+        if how == "ours":
+            rd.gather_to_rank0(warm, chunk_bytes=chunk_mib << 20)
+        del warm
         rows = list(torch.randn(mib * 256, 1024).unbind(0))  # 4 KiB per row
         rd.barrier()
         before = peak_rss_mib(reset=True)

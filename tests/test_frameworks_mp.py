@@ -98,6 +98,7 @@ def test_every_survivor_names_the_culprit(
         run.t_launch, run.t_returned = t_launch, time.time()
         if launcher == "lightning":
             run.codes[0] = run.handles[0].returncode  # rank 0 is the launched process
+            run.kills_siblings = True
         problems, summary = check(framework, fault, run)
         print(json.dumps(summary))  # shown with -rP: timings, how the hung rank ended
         assert not problems, (

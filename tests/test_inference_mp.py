@@ -116,22 +116,25 @@ def test_gather_rank_killed_mid_stream_is_named_within_2s() -> None:
 
 
 def test_gather_memory_of_a_sending_rank_stays_near_its_own_data() -> None:
-    mib = 96
+    mib, chunk_mib = 96, 4
     # Cold ranks: a fork of the fork server starts from the server's heap and peak RSS,
-    # which blur a peak measured in MiB (37 MiB against the 24 MiB bound, once in CI).
+    # which blur a peak measured in MiB (37 MiB against a 24 MiB bound, once in CI).
     # The peak is VmHWM reset before the call (peak_rss_mib): ru_maxrss survives exec, and
     # ranks spawned by a 682 MiB pytest showed no growth at all (CI, once).
     outcomes = run_ranks(
-        w.gather_memory, 3, (mib, 4, "ours"), timeout=DEADLINE, start_method="spawn"
+        w.gather_memory, 3, (mib, chunk_mib, "ours"), timeout=DEADLINE, start_method="spawn"
     )
     assert all(o.exitcode == 0 for o in outcomes), format_outcomes(outcomes)
-    ours = {o.rank: o.value["grew"] for o in outcomes}
     got = {o.rank: o.value for o in outcomes}
     assert got[0]["items"] == 3 * mib * 256, got  # every row reached rank 0
-    # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece (and its pickle).
-    assert ours[1] < 24, f"rank 1's peak grew by {ours[1]:.0f} MiB while sending {mib} MiB"
+    # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece and one row's pickle
+    # (+4.1 MiB measured). Growing pieces by reallocation cost two pieces and more (+8 to
+    # +12 MiB, once +25 MiB in CI); the list-based all_gather_object costs twice the data.
+    for r in (1, 2):
+        grew = got[r]["grew"]
+        assert grew < 3 * chunk_mib, f"rank {r}'s peak grew by {grew:.1f} MiB sending {mib} MiB"
     # Rank 0 holds everyone's: at least the other two ranks' data.
-    assert ours[0] > 1.5 * mib, got
+    assert got[0]["grew"] > 1.5 * mib, got
 
 
 def test_broadcast_state_dict_gives_every_rank_the_same_bits() -> None:

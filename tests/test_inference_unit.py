@@ -74,3 +74,39 @@ def test_compact_pickling_keeps_dtype_shape_and_values(t: torch.Tensor) -> None:
     assert back.dtype == t.dtype
     assert back.shape == t.shape
     assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("with_indices", [False, True])
+def test_gather_pieces_stay_within_chunk_bytes_and_parse_back(with_indices: bool) -> None:
+    from resilient_ddp.gather import _parse, _pieces
+
+    # Rows of 400 floats (1.6 KB pickled), one of 3000 (larger than a piece), then more rows.
+    entries: list[object] = [torch.full((400,), float(i)) for i in range(10)]
+    entries.insert(4, torch.arange(3000.0))
+    entries.append({"text": "x" * 50})
+    idx = torch.arange(100, 100 + len(entries)) if with_indices else None
+    got: list[object] = []
+    ids: list[torch.Tensor] = []
+    sizes = []
+    for piece in _pieces(entries, idx, 4000):
+        sizes.append(piece.numel())
+        part, part_ids = _parse(piece.clone())  # the buffer is reused by the next piece
+        got.extend(part)
+        if part_ids is not None:
+            ids.append(part_ids)
+    big = [n for n in sizes if n > 4000]
+    assert len(big) == 1, sizes  # the large entry alone, in its own piece
+    assert big[0] > 12000, sizes
+    assert len(sizes) >= 5, sizes  # two 1.6 KB rows per 4000-byte piece
+    assert len(got) == len(entries)
+    for a, b in zip(got, entries, strict=True):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor)
+            assert torch.equal(a, b)
+        else:
+            assert a == b
+    if with_indices:
+        assert idx is not None
+        assert torch.equal(torch.cat(ids), idx)
+    else:
+        assert ids == []

@@ -13,7 +13,8 @@ rank order. Here:
 2. each rank ``r > 0`` streams its entries to rank 0 in pieces of about ``chunk_bytes`` (a
    piece is a run of pickled entries), one piece per rank per round, each round an uneven
    ``all_to_all_single`` in which only rank 0 receives (no padding): a non-zero rank never
-   holds more than its own data plus one piece, and never anyone else's data;
+   holds more than its own data, one piece and one entry's pickle, and never anyone else's
+   data;
 3. rank 0 restores dataset order from the indices, checks that no index is duplicated (or
    missing, with ``num_items``), and broadcasts its verdict, so that an index problem is the
    same error on every rank.
@@ -85,8 +86,9 @@ def gather_to_rank0(
         timeout: Longest wait for one piece to move (timedelta or seconds; default
             ``config.op_timeout``). The gather as a whole is not bounded: it may take as
             long as the data needs while pieces keep moving.
-        chunk_bytes: Target size of one piece, in bytes (default 4 MiB). It bounds the
-            extra memory of a sending rank (one piece, or one entry if an entry is larger).
+        chunk_bytes: Largest size of one piece, in bytes (default 4 MiB). It bounds the
+            extra memory of a sending rank: one piece and one entry's pickle (an entry
+            larger than a piece is sent as a piece of its own size).
 
     Returns:
         On rank 0, the list of every rank's entries: ordered by index when ``indices`` are
@@ -282,32 +284,51 @@ def _unpickling_problem(o: Op, rank: int, error: BaseException) -> dict[str, Any
 def _pieces(
     entries: list[Any], idx: torch.Tensor | None, chunk_bytes: int
 ) -> Iterator[torch.Tensor]:
-    """This rank's entries as pieces of about ``chunk_bytes`` (at least one entry each).
+    """This rank's entries as pieces of at most ``chunk_bytes`` (at least one entry each).
 
     A piece is ``[entry]... [indices] [count] [has indices]``: each entry is its own pickle
     behind its length, so that rank 0 unpickles it straight from the received buffer; the
     entries' int64 indices and two int64 counters close the piece.
+
+    Every piece is written into one buffer of ``chunk_bytes``, reused from piece to piece
+    (the caller has sent a piece before it asks for the next): the extra memory is that
+    buffer and one entry's pickle, never a growing stream that reallocates (which held
+    two pieces at once). An entry larger than the buffer gets a piece of its own size.
     """
+    per_entry = _LEN * (2 if idx is not None else 1)  # its length, and its index
+    out = bytearray(chunk_bytes)
+    pending: memoryview | None = None  # an entry pickled that did not fit the last piece
     start = 0
     while start < len(entries):
-        buf = io.BytesIO()
-        pickler = CompactPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        end = start
-        while end < len(entries) and (end == start or buf.tell() < chunk_bytes):
-            at = buf.tell()
-            buf.write(bytes(_LEN))
-            pickler.dump(entries[end])
-            pickler.clear_memo()
-            after = buf.tell()
-            buf.seek(at)
-            buf.write((after - at - _LEN).to_bytes(_LEN, "little"))
-            buf.seek(after)
+        used, end = 0, start
+        while end < len(entries):
+            blob = pending if pending is not None else _pickled(entries[end])
+            pending = None
+            if used + per_entry * (end - start + 1) + len(blob) + 2 * _LEN > len(out):
+                if end > start:
+                    pending = blob
+                    break
+                out = bytearray(per_entry + len(blob) + 2 * _LEN)  # one entry, larger
+            view = memoryview(out)
+            view[used : used + _LEN] = len(blob).to_bytes(_LEN, "little")
+            view[used + _LEN : used + _LEN + len(blob)] = blob
+            used += _LEN + len(blob)
             end += 1
+        tail = b""
         if idx is not None:
-            buf.write(buffer_of(idx[start:end].contiguous().view(torch.uint8)))
-        buf.write(_int64s(end - start, int(idx is not None)))
-        yield torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+            tail = bytes(buffer_of(idx[start:end].contiguous().view(torch.uint8)))
+        tail += _int64s(end - start, int(idx is not None))
+        memoryview(out)[used : used + len(tail)] = tail
+        yield torch.frombuffer(out, dtype=torch.uint8, count=used + len(tail))
         start = end
+        if len(out) > chunk_bytes:
+            out = bytearray(chunk_bytes)  # back to the usual size after a large entry
+
+
+def _pickled(entry: Any) -> memoryview:
+    buf = io.BytesIO()
+    CompactPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(entry)
+    return buf.getbuffer()
 
 
 def _int64s(*values: int) -> bytes:
