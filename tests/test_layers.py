@@ -75,7 +75,6 @@ LAYERS: dict[str, int] = {
 #: Upward imports that exist today (importer -> imported): each is debt. Remove an entry
 #: when its import is gone; never add one.
 KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("_events", "_runtime"),  # deferred: the current runtime for record()
     ("_torchelastic", "_runtime"),  # deferred: the current runtime
     ("watchdog", "elastic"),  # deferred: join requests and shrink from the watchdog
     ("membership", "process_group"),  # joining the control plane, retiring groups

@@ -89,6 +89,7 @@ import torch.distributed as dist
 
 from . import _clock
 from ._elastic_protocol import ack_key
+from ._events import plain_log
 from .errors import ControlPlaneError, Culprit
 
 __all__: list[str] = []
@@ -493,14 +494,14 @@ def _note_rejected(name: str, why: str) -> None:
     family, with ``why``: the store holds data this job did not write (a stale client, a
     bug, or an attacker)."""
     family = "/".join(p for p in name.split("/") if not p.lstrip("gr").isdigit())
-    n = _rejected[family] = _rejected.get(family, 0) + 1
-    if n == 1:
-        log.warning(
-            "resilient_ddp: ignored a record under %r in the control-plane store (%s): the "
-            "store holds data this job did not write (further ones are counted)",
-            name,
-            why,
-        )
+    _rejected[family] = _rejected.get(family, 0) + 1
+    plain_log.warn_once(
+        ("rejected record", family),
+        "resilient_ddp: ignored a record under %r in the control-plane store (%s): the "
+        "store holds data this job did not write (further ones are counted)",
+        name,
+        why,
+    )
 
 
 def _cap(obj: Any, excess: int) -> Any:

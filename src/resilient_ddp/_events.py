@@ -16,6 +16,12 @@ since the epoch), ``kind``, ``job`` (the job id), ``rank``, ``host``, ``pid`` an
   ``world_size``, ``step``, ``admission_s``; ``joined`` on the joiner itself.
 * ``straggler``: rank 0 found a rank slower than the group (``straggler``, ``compute_ms``,
   ``median_ms``).
+
+The library's log lines that speak for a rank go through :data:`rank_log` (or a logger
+:meth:`RankLog.of` a runtime in hand), which writes the ``rank N: `` in front of them; a
+warning that is said once goes through :meth:`RankLog.warn_once`. The rank comes from the
+identity provider that ``_runtime`` registers when it is imported (:func:`set_identity`):
+this layer does not import it.
 """
 
 from __future__ import annotations
@@ -27,15 +33,13 @@ import os
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, MutableMapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
 log = logging.getLogger("resilient_ddp")
-
-_lock = threading.Lock()
-_broken: set[str] = set()  # event files that could not be written (warned once each)
 
 QUEUE_LINES = 1024  # lines waiting for the writer thread; beyond, events are dropped
 WAIT_S = 0.1  # how long record() waits for its line to be written, while the file answers
@@ -95,11 +99,9 @@ def _append(path: str, line: bytes) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        with _lock:
-            first = path not in _broken
-            _broken.add(path)
-        if first:
-            log.warning("cannot write resilience events to %s: %s", path, e)
+        plain_log.warn_once(
+            ("event file", path), "cannot write resilience events to %s: %s", path, e
+        )
 
 
 class _Writer:
@@ -125,13 +127,13 @@ class _Writer:
         with self._cv:
             if len(self._queue) >= QUEUE_LINES:
                 self._dropped += 1
-                if self._dropped == 1:
-                    log.warning(
-                        "the event log %s is not keeping up (is its file system answering?): "
-                        "events are dropped, and counted in an 'events_dropped' line when it "
-                        "answers again; training goes on",
-                        path,
-                    )
+                plain_log.warn_once(
+                    "events dropped",
+                    "the event log %s is not keeping up (is its file system answering?): "
+                    "events are dropped, and counted in an 'events_dropped' line when it "
+                    "answers again; training goes on",
+                    path,
+                )
                 return
             self._queue.append((path, line))
             self._queued += 1
@@ -192,16 +194,116 @@ writer = _Writer()
 os.register_at_fork(after_in_child=writer._after_fork)
 
 
+# -- the rank's identity and its logger ----------------------------------------------------
+#: This process's ``(rank, generation)``, or None while it has no runtime: registered by
+#: ``_runtime`` when it is imported (a layer above this one, which must not import it).
+_identity: Callable[[], tuple[int, int] | None] | None = None
+
+
+def set_identity(provider: Callable[[], tuple[int, int] | None]) -> None:
+    """Register ``provider``: it returns this process's ``(rank, generation)``, or None
+    while the process has no runtime. Called by ``_runtime`` when it is imported; it must
+    not block (it is called for every log record)."""
+    global _identity
+    _identity = provider
+
+
+def identity() -> tuple[int, int] | None:
+    """This process's ``(rank, generation)`` from the registered provider; None while it
+    has no runtime (or before ``_runtime`` was imported)."""
+    provider = _identity
+    return None if provider is None else provider()
+
+
+def _current_rank() -> int | None:
+    ident = identity()
+    return None if ident is None else ident[0]
+
+
+def _no_rank() -> int | None:
+    return None
+
+
+class HasRank(Protocol):
+    """Whatever knows a rank (a runtime, a world-size change)."""
+
+    @property
+    def rank(self) -> int: ...
+
+
+class RankLog(logging.LoggerAdapter[logging.Logger]):
+    """The ``resilient_ddp`` logger, writing ``rank N: `` in front of each message.
+
+    ``N`` is read when a record is logged, from ``rank`` (no prefix when it gives None),
+    so a rank renumbered by elastic training logs under its new number. Arguments are
+    formatted by the logger as usual (``%``-style, only when the record is emitted).
+
+    Args:
+        logger: The logger written to.
+        rank: Returns the rank to name, or None for no prefix.
+    """
+
+    def __init__(self, logger: logging.Logger, rank: Callable[[], int | None]) -> None:
+        super().__init__(logger, None)
+        self._rank = rank
+        self._once: set[Hashable] = set()
+        self._once_lock = threading.Lock()
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        rank = self._rank()
+        return (msg if rank is None else f"rank {rank}: {msg}"), kwargs
+
+    def of(self, owner: HasRank) -> RankLog:
+        """A logger that names ``owner.rank`` (read at each record) instead: for a runtime
+        that need not be the process's current one (a watchdog's before its runtime is
+        current, an inference guest's). Its :meth:`warn_once` remembers keys for as long
+        as it lives (a watchdog's: once per generation)."""
+        return RankLog(self.logger, lambda: owner.rank)
+
+    def warn_once(self, key: Hashable, msg: str, *args: object) -> bool:
+        """Log warning ``msg % args`` the first time this logger sees ``key``; later calls
+        with the same key do nothing. Thread-safe; never blocks beyond the logging itself.
+
+        Returns:
+            True if this call logged it.
+        """
+        with self._once_lock:
+            if key in self._once:
+                return False
+            self._once.add(key)
+        self.warning(msg, *args, stacklevel=2)
+        return True
+
+    def forget(self) -> None:
+        """Forget the keys :meth:`warn_once` has seen (a forked child warns for itself)."""
+        self._once_lock = threading.Lock()  # a copy of a lock that may have been held
+        self._once = set()
+
+
+#: Lines that speak for this process's rank: ``rank N: ...`` (no prefix without a runtime).
+rank_log = RankLog(log, _current_rank)
+#: Lines that speak for no rank (the process, a file): no prefix; for :meth:`RankLog.warn_once`.
+plain_log = RankLog(log, _no_rank)
+
+
+def _forget_in_child() -> None:
+    rank_log.forget()
+    plain_log.forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class RankFilter(logging.Filter):
     """Put ``rank`` and ``generation`` on every record of the ``resilient_ddp`` logger (``-``
     without a process group), for a format such as ``"[rank %(rank)s] %(message)s"``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from . import _runtime
-
-        rt = _runtime.current()
-        record.rank = rt.rank if rt is not None else "-"
-        record.generation = rt.generation if rt is not None else "-"
+        ident = identity()
+        record.rank = ident[0] if ident is not None else "-"
+        record.generation = ident[1] if ident is not None else "-"
         return True
 
 

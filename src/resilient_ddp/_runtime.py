@@ -385,6 +385,13 @@ class Runtime:
                 f"The control-plane store did not take a new connection ({type(e).__name__}: {e})."
             ) from e
 
+    @property
+    def _logger(self) -> _events.RankLog:
+        """The library's logger for this rank's lines (``rank N: ...``, N this runtime's
+        rank): also before the runtime is the process's current one (while it attaches),
+        and for an inference guest's."""
+        return _events.rank_log.of(self)
+
     # -- changes asked for by other modules --------------------------------------------------
     # Only this class writes its fields (tests/test_runtime_owner.py scans for writes from
     # outside): each change another module makes is one of these named operations.
@@ -697,12 +704,11 @@ class Runtime:
         if self.stall_warned == self.watchdog_tick:
             return
         self.stall_warned = self.watchdog_tick
-        log.warning(
-            "rank %d: the control-plane store has not answered for %.1f s, but its host "
+        self._logger.warning(
+            "the control-plane store has not answered for %.1f s, but its host "
             "accepts connections: it has fallen behind (overloaded, or its process is "
             "stopped). Training goes on and failure detection waits; the control plane is "
             "declared lost if it does not answer within store_timeout (%.1f s)",
-            self.rank,
             silent,
             self.store_timeout_s,
         )
@@ -711,9 +717,8 @@ class Runtime:
         """The watchdog completed a tick (its store calls returned)."""
         now = time.monotonic()
         if self.stall_warned and self.stall_warned == self.watchdog_tick:
-            log.warning(
-                "rank %d: the control-plane store answers again, after %.1f s",
-                self.rank,
+            self._logger.warning(
+                "the control-plane store answers again, after %.1f s",
                 now - self.watchdog_tick,
             )
             self.stall_warned = 0.0
@@ -818,7 +823,7 @@ class Runtime:
             return
         self.told_error = error
         self.told_at = time.monotonic()
-        log.error("rank %d: %s", self.rank, error)
+        self._logger.error("%s", error)
         signal.pthread_kill(self.main_thread_ident, TELL_SIGNAL)
 
     def tell_grace(self) -> float:
@@ -833,10 +838,9 @@ class Runtime:
         if time.monotonic() - self.told_at < self.tell_grace():
             return
         stack = self.main_stack()
-        log.critical(
-            "rank %d: the peers gave up on this rank and its main thread did not respond "
+        self._logger.critical(
+            "the peers gave up on this rank and its main thread did not respond "
             "within %.1f s (stuck in C code?); exiting with code %d. Main thread:\n%s",
-            self.rank,
             self.tell_grace(),
             UNRESPONSIVE_EXIT_CODE,
             stack,
@@ -883,15 +887,14 @@ class Runtime:
                 _clock.sleep(0.05)
         waited = _clock.monotonic() - start
         if waiting:
-            log.warning(
-                "rank %d: hosts the store and exits after %.1f s although rank(s) %s are still "
+            self._logger.warning(
+                "hosts the store and exits after %.1f s although rank(s) %s are still "
                 "running: they lose the control plane",
-                self.rank,
                 waited,
                 waiting,
             )
         elif waited > 1.0:
-            log.info("rank %d: kept the store up %.1f s for the peers", self.rank, waited)
+            self._logger.info("kept the store up %.1f s for the peers", waited)
 
     def _done_with_store(self, rank: int, state: dict[str, Any]) -> bool:
         if state.get("status") in ("left", "failed"):
@@ -984,7 +987,7 @@ class Runtime:
             try:
                 fn(error)
             except Exception:
-                log.exception("rank %d: a failure listener raised; going on", self.rank)
+                self._logger.exception("a failure listener raised; going on")
         return error
 
     def build_error(
@@ -1190,7 +1193,7 @@ class Runtime:
             or self._verdict_stale(control, shared)
         ):
             return self._diagnose_here(control, name, seq)
-        log.debug("rank %d: %s#%d: rank %s's diagnosis", self.rank, name, seq, shared.get("by"))
+        self._logger.debug("%s#%d: rank %s's diagnosis", name, seq, shared.get("by"))
         return [c for c in shared["culprits"] if isinstance(c, dict)]
 
     def _verdict_stale(self, control: ctl.ControlPlane, verdict: dict[str, Any]) -> bool:
@@ -1662,6 +1665,16 @@ _prev_thread_hook: Callable[..., Any] | None = None
 
 def current() -> Runtime | None:
     return _runtime
+
+
+def _identity() -> tuple[int, int] | None:
+    rt = _runtime
+    return None if rt is None else (rt.rank, rt.generation)
+
+
+# The rank and generation that _events puts on log records (RankFilter) and in front of
+# messages (rank_log): this process's current runtime's.
+_events.set_identity(_identity)
 
 
 #: Attaches a runtime to torch's default group on first use: set by ``process_group`` (the

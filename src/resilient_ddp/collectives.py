@@ -40,6 +40,7 @@ from . import _control as ctl
 from . import _events, _progress, _timings
 from ._backend import comm_device
 from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
+from ._events import rank_log
 from ._runtime import PendingOp, ensure_runtime
 from ._wire import dumps, loads
 from .config import SHORTEST_TIMEOUT, RetryPolicy, duration_seconds
@@ -678,9 +679,8 @@ class Op:
             until = time.monotonic() + max(busy) + 1.0
             if until > self.deadline:
                 self.deadline = until
-                log.info(
-                    "rank %d: %s#%d waits up to %.1f s more for rank(s) %s, busy in section(s) %s",
-                    self.rt.rank,
+                rank_log.of(self.rt).info(
+                    "%s#%d waits up to %.1f s more for rank(s) %s, busy in section(s) %s",
                     self.name,
                     self.seq,
                     until - time.monotonic(),
@@ -691,10 +691,8 @@ class Op:
             return False
         if len(working) == len(culprits):
             return True  # told by _tell_busy, at its own pace
-        log.warning(
-            "rank %d: %s#%d still waiting after %.1f s for rank(s) %s (alive); "
-            "%.1f s of budget left",
-            self.rt.rank,
+        rank_log.of(self.rt).warning(
+            "%s#%d still waiting after %.1f s for rank(s) %s (alive); %.1f s of budget left",
             self.name,
             self.seq,
             time.monotonic() - self.start,
@@ -763,10 +761,9 @@ class Op:
                     "its process running but its watchdog thread unable to run "
                     "(probably a C call that holds the GIL)"
                 )
-            log.warning(
-                "rank %d: %s#%d waits for rank %s, busy in %s for %.0f s, %s; it is waited "
+            rank_log.of(self.rt).warning(
+                "%s#%d waits for rank %s, busy in %s for %.0f s, %s; it is waited "
                 "for up to %.0f s in all (busy_timeout)",
-                self.rt.rank,
                 self.name,
                 self.seq,
                 c["rank"],

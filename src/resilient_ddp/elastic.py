@@ -63,6 +63,7 @@ from . import _clock, _events, _timings
 from . import _control as ctl
 from . import _elastic_protocol as proto
 from ._elastic_protocol import ElasticParticipant
+from ._events import rank_log
 from ._guest import Guest
 from ._runtime import RECOVERY_PHASE, Runtime, phase
 from .errors import ControlPlaneError, RankFailureError, ResilientDDPError
@@ -131,7 +132,8 @@ class Elastic:
                 try:
                     fn(change)
                 except Exception:
-                    log.exception("rank %d: a world-size listener raised; going on", change.rank)
+                    logger = rank_log.of(change)
+                    logger.exception("a world-size listener raised; going on")
 
     # -- samplers ----------------------------------------------------------------------------
     def live_samplers(self) -> list[Any]:
@@ -422,7 +424,7 @@ def recover(
         try:
             _form(rt, el, dec["gen"], dec["members"], dec.get("old_ranks"))
         except RankFailureError as e:
-            log.warning("rank %d: forming generation %d failed: %s", rt.rank, dec["gen"], e)
+            rank_log.of(rt).warning("forming generation %d failed: %s", dec["gen"], e)
             _abandon(el, dec["gen"], len(dec["members"]))
             round_ += 1
             candidates = list(dec["old_ranks"])
@@ -433,7 +435,7 @@ def recover(
         except RankFailureError as e:
             # The source (or another member) failed while sending: start over from the
             # generation just formed.
-            log.warning("rank %d: state transfer failed: %s", rt.rank, e)
+            rank_log.of(rt).warning("state transfer failed: %s", e)
             _abandon(el, gen_from, world)
             round_, candidates, gen_from = 0, list(range(rt.world_size)), rt.generation
             world = rt.world_size
@@ -687,9 +689,8 @@ def _await_decision(
         gone, dead = _gone(rt)
         failed = decider in dead or (decider in gone and decider not in silent_before)
         if failed or _clock.monotonic() >= until:
-            log.info(
-                "rank %d: rank %d claimed the decision under %s but %s; deciding here",
-                rt.rank,
+            rank_log.of(rt).info(
+                "rank %d claimed the decision under %s but %s; deciding here",
                 decider,
                 decided,
                 "failed" if failed else "did not publish it in time",
@@ -909,7 +910,7 @@ def _forget(rt: Runtime, generations: list[tuple[int, int, set[int]]]) -> None:
         for gen, world, acked in generations:
             jobs.forget_generation(gen, world, mismatches=rt.mismatches, acked=acked)
     except Exception as e:  # noqa: BLE001 - cleaning up must never fail the job
-        log.info("rank %d: could not delete old generations' keys: %s", rt.rank, e)
+        rank_log.of(rt).info("could not delete old generations' keys: %s", e)
 
 
 def _rebuild(rt: Runtime, gen: int, rank: int, members: list[int]) -> None:
@@ -1029,9 +1030,8 @@ def maybe_admit(
             f"the admission to generation {grow['gen']} failed on another rank",
             generation=rt.generation,
         )
-        log.warning(
-            "rank %d: admission of %s failed (%s); going on without them",
-            rt.rank,
+        rank_log.of(rt).warning(
+            "admission of %s failed (%s); going on without them",
             grow["joiners"],
             error,
         )

@@ -44,6 +44,7 @@ from torch.utils.data._utils.collate import default_collate
 from . import _control as ctl
 from . import _events, _guest
 from . import _work_pool as wp
+from ._events import rank_log
 from ._progress import progress as _mark_progress
 from ._runtime import Runtime, in_own_wait
 from ._wire import to_cpu
@@ -704,10 +705,9 @@ class _Pool:
                 self.item_failures += 1
                 if self.item_failures > _ITEM_WARNINGS:
                     continue
-                log.warning(
-                    "rank %d: distributed_inference: item %d raised (%s: %s); "
+                rank_log.of(self.rt).warning(
+                    "distributed_inference: item %d raised (%s: %s); "
                     "the item goes to another rank%s",
-                    self.rank,
                     i,
                     type(e).__name__,
                     e,
@@ -1076,8 +1076,8 @@ class _Collector(threading.Thread):
                 continue
             d = wp.take(self.store, keys, self.mac, t)
             if d is None:
-                log.warning(
-                    "rank 0: distributed_inference: ignored a malformed delivery of ticket %d", t
+                rank_log.of(self.rt).warning(
+                    "distributed_inference: ignored a malformed delivery of ticket %d", t
                 )
                 continue
             fresh, _ = led.accept(d, self.live())
@@ -1131,7 +1131,9 @@ class _Collector(threading.Thread):
             beat = int(raw)
             seen = self.guests.get(w)
             if seen is None:
-                log.info("rank 0: distributed_inference: a replacement helps as worker %d", w)
+                rank_log.of(self.rt).info(
+                    "distributed_inference: a replacement helps as worker %d", w
+                )
                 _events.record(self.rt, "inference_guest", worker=w)
                 changed = True
             if seen is None or seen[0] != beat:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from . import _clock
 from . import _control as ctl
 from ._backend import abort_group, default_pg_timeout, forget_failed_init
+from ._events import rank_log
 from ._runtime import Runtime
 from .errors import PreflightError, RankFailureError
 from .process_group import _join_control_plane, release_retired, retire_group
@@ -70,9 +71,8 @@ def regroup(rt: Runtime, name: str, seq: int, attempt: int, deadline: float) -> 
     # too); the first voter's draw is the one every rank uses.
     gen = jobs.retry_generation(g, seq, attempt)
     rebuild(rt, gen, timeout_s=max(1.0, deadline - _clock.monotonic()))
-    log.warning(
-        "rank %d: %s#%d retried as a group (attempt %d), now generation %d",
-        rt.rank,
+    rank_log.of(rt).warning(
+        "%s#%d retried as a group (attempt %d), now generation %d",
         name,
         seq,
         attempt + 1,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from . import _control as ctl
 from . import _guest, _runtime, _timings
 from ._backend import abort_group, backend_name, default_pg_timeout
+from ._events import rank_log
 from ._runtime import Runtime
 from .config import ResilienceConfig, get_config, resolve
 from .elastic import JOINER_ENV, join
@@ -185,7 +186,7 @@ def attach(
 
     hint = None if owned else plain_init_restart_hint()
     if hint is not None:
-        log.warning("rank %d: %s", rt.rank, hint)
+        rank_log.of(rt).warning("%s", hint)
     elastic_setup(rt)
     _runtime.set_current(rt)
     _runtime.install_hooks()

@@ -28,6 +28,7 @@ from typing import Any
 
 from . import _clock, _events, _timings
 from . import _control as ctl
+from ._events import rank_log
 from ._runtime import Runtime, qualname, with_board
 from .errors import ControlPlaneError, Culprit
 
@@ -153,6 +154,9 @@ class Watchdog(threading.Thread):
     def __init__(self, runtime: Runtime) -> None:
         super().__init__(name=f"resilient_ddp-watchdog-r{runtime.rank}", daemon=True)
         self.rt = runtime
+        # Names this runtime's rank (its own: the runtime is not the process's current one
+        # yet while it attaches); says each kind of malformed record once per watchdog.
+        self._logger = rank_log.of(runtime)
         self.control = self._bounded(runtime.connection("watchdog"))
         self.interval = runtime.config.heartbeat_interval.total_seconds()
         self.hb_timeout = runtime.config.heartbeat_timeout.total_seconds()
@@ -193,7 +197,6 @@ class Watchdog(threading.Thread):
         self._last_logged: tuple[type, str] | None = None
         # Why the watchdog stopped by itself (None while it runs, or when it was stopped).
         self.stopped_error: ControlPlaneError | None = None
-        self._malformed_logged: set[str] = set()  # kinds of malformed record already logged
         # Each watched rank's last well-formed state: a state overwritten with garbage
         # does not hide that rank's silence.
         self._good_states: dict[int, dict[str, Any]] = {}
@@ -260,9 +263,8 @@ class Watchdog(threading.Thread):
                     return
             else:
                 if self.consecutive_errors:
-                    log.warning(
-                        "rank %d: resilient_ddp watchdog tick succeeds again after %d failed",
-                        self.rt.rank,
+                    self._logger.warning(
+                        "resilient_ddp watchdog tick succeeds again after %d failed",
                         self.consecutive_errors,
                     )
                     self.consecutive_errors = 0
@@ -279,7 +281,7 @@ class Watchdog(threading.Thread):
         if self.rt.control_plane_error is None:
             if self._fell_behind(e):
                 return False
-            log.error("rank %d: %s", self.rt.rank, e)
+            self._logger.error("%s", e)
             self.rt.on_control_plane_lost(e)
         # else the main thread gave up on the store (store_timeout) and told it
         self._abort_backend()
@@ -300,7 +302,7 @@ class Watchdog(threading.Thread):
         verdict, _ = ctl.probe_store(probe.address)
         if verdict != ctl.PROBE_ANSWERS:
             return False
-        log.debug("rank %d: a store call timed out, its host accepts connections", self.rt.rank)
+        self._logger.debug("a store call timed out, its host accepts connections")
         self._reconnect = True
         return True
 
@@ -309,22 +311,19 @@ class Watchdog(threading.Thread):
         self.consecutive_errors += 1
         n = self.consecutive_errors
         if self._stop_event.is_set():
-            log.debug("rank %d: watchdog tick failed while stopping", self.rt.rank, exc_info=e)
+            self._logger.debug("watchdog tick failed while stopping", exc_info=e)
             return False
         if (type(e), str(e)) != self._last_logged:
             self._last_logged = (type(e), str(e))
-            log.error(
-                "rank %d: resilient_ddp watchdog tick failed (%d in a row; it stops at %d)",
-                self.rt.rank,
+            self._logger.error(
+                "resilient_ddp watchdog tick failed (%d in a row; it stops at %d)",
                 n,
                 _MAX_TICK_ERRORS,
                 exc_info=e,
             )
         else:
-            log.error(
-                "rank %d: resilient_ddp watchdog tick failed again (%d in a row; it stops at "
-                "%d): %s: %s",
-                self.rt.rank,
+            self._logger.error(
+                "resilient_ddp watchdog tick failed again (%d in a row; it stops at %d): %s: %s",
                 n,
                 _MAX_TICK_ERRORS,
                 qualname(type(e)),
@@ -341,9 +340,8 @@ class Watchdog(threading.Thread):
         rt = self.rt
         if self._stop_event.is_set():
             # Asked to stop meanwhile (the rank is shutting down): nothing is left to watch.
-            log.warning(
-                "rank %d: resilient_ddp watchdog failed while stopping",
-                rt.rank,
+            self._logger.warning(
+                "resilient_ddp watchdog failed while stopping",
                 exc_info=None if logged else e,
             )
             return
@@ -358,7 +356,7 @@ class Watchdog(threading.Thread):
         )
         error.__cause__ = e
         self.stopped_error = error
-        log.error("rank %d: %s", rt.rank, error, exc_info=None if logged else e)
+        self._logger.error("%s", error, exc_info=None if logged else e)
         try:
             if rt.control_plane_error is None:  # a lost store, told first, stays the cause
                 rt.on_control_plane_lost(error)
@@ -381,7 +379,7 @@ class Watchdog(threading.Thread):
             if self.control.claim(rt.rank):
                 self._post(ctl.EV_EXCEPTION, rt.rank, culprit)
         except Exception:  # best effort: the peers also see its heartbeat stop
-            log.warning("rank %d: could not report the stopped watchdog", rt.rank, exc_info=True)
+            self._logger.warning("could not report the stopped watchdog", exc_info=True)
 
     # -- one tick ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -450,15 +448,12 @@ class Watchdog(threading.Thread):
 
     # -- records written by others ----------------------------------------------------------
     def _malformed(self, kind: str, key: str, problem: str) -> None:
-        """Log (once per ``kind`` of record) that a record was skipped."""
-        if kind in self._malformed_logged:
-            return
-        self._malformed_logged.add(kind)
-        log.warning(
-            "rank %d: resilient_ddp watchdog skipped a malformed %s under %r in the "
+        """Log (once per ``kind`` of record, for this watchdog) that a record was skipped."""
+        self._logger.warn_once(
+            ("malformed", kind),
+            "resilient_ddp watchdog skipped a malformed %s under %r in the "
             "control-plane store (%s): another process wrote it; further ones are skipped "
             "silently",
-            self.rt.rank,
             kind,
             key,
             problem,
@@ -574,7 +569,7 @@ class Watchdog(threading.Thread):
         culprit = ctl.culprit_from(
             rt.rank, what=what, info=rt.identity, state=state, stack=state["stack"]
         )
-        log.warning("rank %d: %s", rt.rank, what)
+        self._logger.warning("%s", what)
         self._post(ctl.EV_SECTION, rt.rank, culprit)
         self.poke()
 
@@ -635,7 +630,7 @@ class Watchdog(threading.Thread):
             if not self.control.claim(r):
                 continue  # someone else reported it first
             culprit = ctl.culprit_from(r, what=what, info=self.rt.infos.get(r), state=states[r])
-            log.warning("rank %d: rank %d %s", self.rt.rank, r, what)
+            self._logger.warning("rank %d %s", r, what)
             events.append(self._event(kind, r, culprit))
         if events:
             self.control.post_events(events)
