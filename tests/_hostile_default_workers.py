@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import resilient_ddp as rd
+from resilient_ddp import _control as ctl
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 3
@@ -49,6 +50,8 @@ JUNK_MIB = 64
 WAIT_S = 60.0  # every wait of an attacker for the job: the test's deadline is shorter
 # What the attacker writes where the job's heartbeats, counters and decisions go.
 GARBAGE = b"\xff\xfe garbage, not this job's {{{"
+# Where rd.init_process_group() names the job under torchrun and env:// (attempt 0).
+_CURRENT = f"{ctl.attempt_prefix(0)}/{ctl.CURRENT_JOB_KEY}"
 
 
 class Payload:
@@ -146,11 +149,10 @@ def attack_default(out_dir: str) -> None:
             [sys.executable, "-c", _JOIN_CODE, str(out), str(port)], env=os.environ.copy()
         )
         store = _connect(port)
-        # Where rd.init_process_group() keeps the job under torchrun and env:// (attempt 0).
-        store.wait(["attempt0/rd/current"], timedelta(seconds=WAIT_S))
-        job = store.get("attempt0/rd/current").decode()
+        store.wait([_CURRENT], timedelta(seconds=WAIT_S))
+        job = store.get(_CURRENT).decode()
         report["job"] = job
-        root = dist.PrefixStore(f"attempt0/rd/{job}", store)
+        root = dist.PrefixStore(f"{ctl.attempt_prefix(0)}/{ctl.job_prefix(job)}", store)
         # Start-up: garbage over every heartbeat until the job trains.
         writes = 0
         end = time.monotonic() + WAIT_S
@@ -209,8 +211,9 @@ def attack_counter(out_dir: str) -> None:
     try:
         _wait_file(out / "port")
         store = _connect(int((out / "port").read_text()))
-        store.wait(["attempt0/rd/current"], timedelta(seconds=WAIT_S))
-        root = dist.PrefixStore(f"attempt0/rd/{store.get('attempt0/rd/current').decode()}", store)
+        store.wait([_CURRENT], timedelta(seconds=WAIT_S))
+        job = store.get(_CURRENT).decode()
+        root = dist.PrefixStore(f"{ctl.attempt_prefix(0)}/{ctl.job_prefix(job)}", store)
         _wait_file(out / "ready", unless=out / "final0.json")
         for n in range(3):
             root.set(f"g{n}/ev/n", GARBAGE)
@@ -254,7 +257,7 @@ def join_outsider(out_dir: str, port: int) -> None:
         return
     os.environ["RESILIENT_DDP_JOINER"] = "1"
     # The store torch would hand the joiner under torchrun: the job's attempt namespace.
-    attempt = dist.PrefixStore("attempt0", _connect(port))
+    attempt = dist.PrefixStore(ctl.attempt_prefix(0), _connect(port))
     dist.distributed_c10d._get_default_store = lambda: attempt
     cfg = hostile_train.config().model_copy(update={"init_timeout": timedelta(seconds=8)})
     try:
@@ -288,10 +291,11 @@ def plant_preflight(out_dir: str, port: str) -> None:
         store = _connect(int(port))
         verdict = {"rank": 1, "problems": [ATTACKER_TEXT], "table": ATTACKER_TEXT}
         packed = zlib.compress(json.dumps(verdict).encode())
-        store.set("rd/preflight/0/verdict", packed)
+        keys = ctl.PreflightKeys(0)
+        store.set(keys.verdict(), packed)
         for r in (1, 2):
-            store.set(f"rd/preflight/0/{r}", b"{not json " + ATTACKER_TEXT.encode())
-        store.add("rd/preflight/0/n", 2)
+            store.set(keys.facts(r), b"{not json " + ATTACKER_TEXT.encode())
+        store.add(keys.arrived, 2)
         report["planted"] = True
     except BaseException as e:  # noqa: BLE001 - reported to the test
         report["error"] = f"{type(e).__name__}: {e}"
@@ -420,8 +424,6 @@ def secret_job(rank: int, out_dir: str, mode: str) -> dict[str, Any]:
     """A rank of a job under ``rd.spawn`` (secret set; ``restarts=1`` for ``mode``
     "replay") beside :func:`attack_secret` (see :func:`_secret_loop`). A survivor that
     raises ``RankFailureError`` returns the ranks it names."""
-    from resilient_ddp import _control as ctl
-
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(80, exit=True)
     out = Path(out_dir)
@@ -430,7 +432,7 @@ def secret_job(rank: int, out_dir: str, mode: str) -> dict[str, Any]:
     if rank == 0 and not joiner:
         job, secret = os.environ[ctl.JOB_ENV], os.environ[ctl.SECRET_ENV]
         jr = ctl.root_prefix(dist.HashStore(), job, secret)
-        prefix = getattr(jr, "prefix", f"rd/{job}")
+        prefix = getattr(jr, "prefix", ctl.job_prefix(job))
         port = os.environ["MASTER_PORT"]
         proc = _start_attacker("attack_secret", out_dir, port, prefix, mode)
     try:

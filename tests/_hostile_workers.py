@@ -16,9 +16,11 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from resilient_ddp import _control as ctl
+
 from . import _elastic_workers as w
 
-_CURRENT = "rd/current"
+_CURRENT = ctl.CURRENT_JOB_KEY
 
 
 def _fake_event(rank: int, kind: str) -> dict[str, Any]:
@@ -42,7 +44,7 @@ def attack(store_addr: str, seconds: float, out_path: str) -> None:
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
     store.wait([_CURRENT], timedelta(seconds=30))
     job = store.get(_CURRENT).decode()
-    root = dist.PrefixStore(f"rd/{job}", store)
+    root = dist.PrefixStore(ctl.job_prefix(job), store)
     writes = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

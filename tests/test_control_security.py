@@ -58,13 +58,13 @@ def test_without_a_secret_the_group_agrees_on_a_key_and_refuses_joins(
     assert root.mac_key is not None  # sealed although nobody gave a secret
     assert root.joinable is False
     # The job's keys live under a name derived from the key: not rd/<job>/g0/...
-    assert root.prefix.startswith(f"rd/{root.job_id}/")
-    assert len(root.prefix) > len(f"rd/{root.job_id}/") + 16
+    assert root.prefix.startswith(f"{ctl.job_prefix(root.job_id)}/")
+    assert len(root.prefix) > len(f"{ctl.job_prefix(root.job_id)}/") + 16
     cp = ctl.ControlPlane(root, 0)
     cp.init_counters()
     cp.publish_state(0, {"beat": 1})
     base = one_rank_group
-    assert not base.check([f"rd/{root.job_id}/g0/ev/n"])
+    assert not base.check([f"{ctl.job_prefix(root.job_id)}/g0/ev/n"])
     raw = base.get(f"{root.prefix}/g0/state/0").decode()
     assert ctl.unseal(None, "g0/state/0", raw) is None  # a MAC in front of the JSON
     # Another draw (another job) gets another key: the secret is never in the store.
@@ -88,9 +88,10 @@ def test_an_outsider_writing_under_the_visible_names_changes_nothing(no_secret: 
     cp = ctl.ControlPlane(root, 0)
     cp.init_counters()
     cp.publish_state(2, {"beat": 1})
-    base.set("rd/job/g0/ev/n", "garbage")
-    base.set("rd/job/g0/ev/log", json.dumps(_event(1)) + "\n")
-    base.append("rd/job/g0/ev/log", "x" * (64 << 20))
+    keyless = ctl.job_prefix("job")  # the namespace without the key
+    base.set(f"{keyless}/g0/ev/n", "garbage")
+    base.set(f"{keyless}/g0/ev/log", json.dumps(_event(1)) + "\n")
+    base.append(f"{keyless}/g0/ev/log", "x" * (64 << 20))
     cp.post_event(_event(2))  # the real report of rank 2's death
     n, diag, states, _ = cp.poll([2])
     assert (n, diag, list(states)) == (1, 0, [2])
@@ -265,15 +266,16 @@ def test_forged_preflight_records_fail_start_up_with_a_typed_message(
     store = dist.HashStore()
     # Garbage facts, a garbage counter, a garbage verdict: typed, never a JSONDecodeError
     # nor "the store stopped answering".
-    store.set("rd/preflight/0/0", "{not json")
+    keys = ctl.PreflightKeys(0)
+    store.set(keys.facts(0), "{not json")
     if secret is None:
         with pytest.raises(PreflightError, match="not written by this job"):
-            preflight._read_facts(store, env, ["rd/preflight/0/0"], [0])
+            preflight._read_facts(store, env, [keys.facts(0)], [0])
     else:  # not arrived, as far as the checker can tell
-        assert preflight._read_facts(store, env, ["rd/preflight/0/0"], [0]) == {}
-    store.set("rd/preflight/0/n", "garbage")
+        assert preflight._read_facts(store, env, [keys.facts(0)], [0]) == {}
+    store.set(keys.arrived, "garbage")
     with pytest.raises(PreflightError, match="not written by this job"):
-        preflight._add(store, env, "rd/preflight/0/n", 1)
+        preflight._add(store, env, keys.arrived, 1)
     with pytest.raises(PreflightError, match="not written by this job"):
         preflight._unpack(env, b"\x00garbage")
     forged = zlib.compress(json.dumps({"rank": 0, "problems": ["ATTACKER TEXT"]}).encode())
@@ -286,11 +288,10 @@ def test_forged_preflight_records_fail_start_up_with_a_typed_message(
         preflight._unpack(env, forged)
     assert "ATTACKER TEXT" not in str(e.value)
     # The job's own records, sealed, read back.
-    name = "rd/preflight/0/verdict"
-    mine = preflight._seal_bytes(env.key, name, forged)
+    mine = preflight._seal_bytes(env.key, keys.verdict(), forged)
     assert preflight._unpack(env, mine)["problems"] == ["ATTACKER TEXT"]
-    store.set("rd/preflight/0/1", ctl.seal(env.key, "rd/preflight/0/1", {"host": "h"}))
-    assert preflight._read_facts(store, env, ["x", "rd/preflight/0/1"], [1]) == {1: {"host": "h"}}
+    store.set(keys.facts(1), ctl.seal(env.key, keys.facts(1), {"host": "h"}))
+    assert preflight._read_facts(store, env, ["x", keys.facts(1)], [1]) == {1: {"host": "h"}}
     assert os.environ[ctl.SECRET_ENV] not in mine.decode(errors="replace")
 
 
@@ -320,15 +321,16 @@ def test_with_a_secret_a_planted_verdict_and_facts_are_skipped(
     monkeypatch.setenv(ctl.SECRET_ENV, SECRET)
     store = dist.HashStore()
     planted = zlib.compress(json.dumps({"rank": 1, "problems": ["ATTACKER TEXT"]}).encode())
-    store.set("rd/preflight/0/verdict", planted)
-    store.set("rd/preflight/0/1", "{not json")
+    names = ctl.PreflightKeys(0)
+    store.set(names.verdict(), planted)
+    store.set(names.facts(1), "{not json")
     checker, other = _env(0, preflight._record_key()), _env(1, preflight._record_key())
-    keys = ["rd/preflight/0/0", "rd/preflight/0/1"]
+    keys = [names.facts(0), names.facts(1)]
     assert preflight._read_facts(store, checker, keys, [1]) == {}
     assert preflight._read_verdict(store, other) is None  # the planted one is skipped
     _, mine = preflight._propose(store, checker, {"rank": 0, "problems": []})
     assert mine
-    assert store.check(["rd/preflight/0/verdict/1"])
+    assert store.check([names.verdict(1)])
     assert preflight._read_verdict(store, other) == {"rank": 0, "problems": []}
 
 

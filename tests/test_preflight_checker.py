@@ -19,13 +19,14 @@ import pytest
 import torch.distributed as dist
 
 from resilient_ddp import _clock, preflight
+from resilient_ddp._control import PreflightKeys
 from resilient_ddp.errors import PreflightError
 from resilient_ddp.preflight import Environment
 
 from ._counting_store import CountingStore
 from ._fake_runtime import backoff_waits
 
-PREFIX = "rd/preflight"
+KEYS = PreflightKeys(0)  # attempt 0's start-up keys
 
 
 class ByteCountingStore(CountingStore):
@@ -57,7 +58,7 @@ class ByteCountingStore(CountingStore):
 
         def is_facts(key: str) -> bool:
             head, _, last = key.rpartition("/")
-            return head == f"{PREFIX}/{restart}" and last.isdigit()
+            return head == PreflightKeys(restart).prefix and last.isdigit()
 
         with self._lock:
             calls = list(self.calls)
@@ -117,8 +118,9 @@ def simulate(
 
 
 def _arrive(store: dist.Store, rank: int, facts: dict[str, str], restart: int = 0) -> None:
-    store.set(f"{PREFIX}/{restart}/{rank}", json.dumps(facts))
-    store.add(f"{PREFIX}/{restart}/n", 1)
+    keys = PreflightKeys(restart)
+    store.set(keys.facts(rank), json.dumps(facts))
+    store.add(keys.arrived, 1)
 
 
 def _expected_message(rank: int, table: dict[int, dict[str, str]], world: int) -> str:
@@ -175,11 +177,11 @@ def test_a_waiting_rank_polls_one_key() -> None:
     assert seen["table"] == {0: facts_of(0), 1: facts_of(1)}
     # Before rank 0 came: its own arrival (the facts, then the count: compare_set checks it
     # is a number, then add), then one key a poll (the verdict); never the count.
-    verdict = [f"{PREFIX}/0/verdict"]
+    verdict = [KEYS.verdict()]
     assert seen["calls"][:3] == [
-        ("set", f"{PREFIX}/0/1"),
-        ("compare_set", f"{PREFIX}/0/n"),
-        ("add", f"{PREFIX}/0/n"),
+        ("set", KEYS.facts(1)),
+        ("compare_set", KEYS.arrived),
+        ("add", KEYS.arrived),
     ]
     assert seen["calls"][3:] == [("check", verdict)] * 10
     assert store.count("check") == 11  # and the poll that found it
@@ -272,7 +274,7 @@ def test_the_next_attempt_deletes_what_a_failed_one_left() -> None:
 
 def test_a_foreign_verdict_is_reported_as_such() -> None:
     base = dist.HashStore()
-    base.set(f"{PREFIX}/0/verdict", "not a verdict")
+    base.set(KEYS.verdict(), "not a verdict")
     results = simulate(2, base, ranks=[1], budget_s=5)
     assert "not written by this job" in str(results[1])
 

@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from resilient_ddp import _clock, preflight
+from resilient_ddp._control import PreflightKeys
 from resilient_ddp.errors import PreflightError
 from resilient_ddp.preflight import Environment, check_environment
 from resilient_ddp.testing import format_outcomes, run_ranks
@@ -202,9 +203,12 @@ def _env(rank: int, world: int) -> Environment:
     return Environment("127.0.0.1", 29500, rank, world, 0, 0, 0, False)
 
 
+KEYS = PreflightKeys(0)  # attempt 0's start-up keys
+
+
 def _arrive(store: dist.Store, rank: int) -> None:
-    store.set(f"rd/preflight/0/{rank}", json.dumps({"host": f"h{rank}"}))
-    store.add("rd/preflight/0/n", 1)
+    store.set(KEYS.facts(rank), json.dumps({"host": f"h{rank}"}))
+    store.add(KEYS.arrived, 1)
 
 
 def test_the_checker_polls_a_counter_and_reads_the_facts_once_everyone_arrived() -> None:
@@ -227,7 +231,7 @@ def test_the_checker_polls_a_counter_and_reads_the_facts_once_everyone_arrived()
     # Rank 0's poll: the count (compare_set, which never breaks the connection on a value
     # that is not a number, as add would) and the verdict (one key); no rank's.
     checks = [keys for n, keys in seen if n == "check"]
-    assert checks == [["rd/preflight/0/verdict"]] * 10, seen
+    assert checks == [[KEYS.verdict()]] * 10, seen
     assert sum(n == "compare_set" for n, _ in seen) == 10 + 1  # + its own arrival
     assert sum(n == "add" for n, _ in seen) == 1  # its own arrival
     assert sorted(got) == [0, 1, 2]
@@ -250,7 +254,7 @@ def test_exchange_names_the_missing_rank_at_the_deadline_in_few_requests() -> No
     assert time.monotonic() - t0 < 2.0
     wide = store.count("check", lambda keys: len(keys) > 1)
     assert wide <= 1 + 2 * 6, wide  # halving 64 keys down to the missing one
-    assert preflight._unpack(_env(1, world), base.get("rd/preflight/0/verdict"))["rank"] == 0
+    assert preflight._unpack(_env(1, world), base.get(KEYS.verdict()))["rank"] == 0
 
 
 def test_present_halves_the_list_where_a_key_is_missing() -> None:

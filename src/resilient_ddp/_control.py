@@ -14,7 +14,24 @@ never break a connection (:func:`_safe_add`). This module is the only one that r
 writes these keys: :class:`ControlPlane` for one generation's keys, :class:`JobStore` for
 the job's.
 
-One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``:
+Every key the library writes in a store is under one root, ``rd/`` (:data:`ROOT`), and is
+spelled here; the other modules take their keys from these constants and functions:
+
+* ``rd/<job>/`` or ``rd/<job>/<tag>/``: a job's namespace (:func:`job_prefix`; the tables
+  below);
+* ``rd/current``: the id of the last job that started on the store
+  (:data:`CURRENT_JOB_KEY`);
+* ``rd/job_id``: the id rank 0 drew, in torch's default store, new for each job
+  (:data:`JOB_ID_KEY`);
+* ``rd/attempt<N>/``: torchrun attempt ``N``'s namespace in its agent's store, which
+  outlives the attempts (:func:`attempt_prefix`): that attempt's group and control plane
+  live under it;
+* ``rd/torchelastic/attempt<N>/attached``: the ranks of attempt ``N`` attached to a group
+  the user created (a counter, :func:`attached_key`);
+* ``rd/preflight/<N>/``: attempt ``N``'s start-up checks (:class:`PreflightKeys`).
+
+One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``
+(:func:`generation_prefix`):
 
 =====================  =======================================================
 ``info/<r>``           rank's identity: host, pid, process start time, boot id, PID ns
@@ -30,6 +47,7 @@ One generation ``N`` (:class:`ControlPlane`), under ``rd/<job>/g<N>/``:
 ``extra``              names of the ``dg/`` and ``inf/`` keys made, and ``ack/<k>`` for
                        each count of join requests acknowledged (``append``)
 ``pg/...``             torch's rendezvous keys of the generation's process group
+                       (:func:`group_prefix`)
 =====================  =======================================================
 
 The job (:class:`JobStore`), under ``rd/<job>/``:
@@ -108,8 +126,74 @@ EV_SECTION = "section"  # a rank overran the budget of a section it declared
 
 JOB_ENV = "RESILIENT_DDP_JOB_ID"
 SECRET_ENV = "RESILIENT_DDP_SECRET"
-# The job that last started on a store: where a joiner that was not told its job looks.
-CURRENT_JOB_KEY = "rd/current"
+
+# -- the keys outside a generation (see the module docstring) --------------------------------
+#: The root of every key the library writes in a store.
+ROOT = "rd"
+#: The job that last started on a store: where a joiner that was not told its job looks.
+CURRENT_JOB_KEY = f"{ROOT}/current"
+#: The job id rank 0 draws and hands to the other ranks through torch's default store.
+JOB_ID_KEY = f"{ROOT}/job_id"
+#: The start-up checks' records, in torch's rendezvous store (see :class:`PreflightKeys`).
+PREFLIGHT_PREFIX = f"{ROOT}/preflight"
+
+
+def job_prefix(job_id: str, mac_key: bytes | None = None) -> str:
+    """The prefix of job ``job_id``'s namespace: ``rd/<job_id>``, or ``rd/<job_id>/<tag>``
+    with a record key (``tag`` derived from it: :func:`names_tag`)."""
+    base = f"{ROOT}/{job_id}"
+    return base if mac_key is None else f"{base}/{names_tag(mac_key)}"
+
+
+def attempt_prefix(restart: int | str) -> str:
+    """The prefix of torchrun attempt ``restart``'s namespace in its agent's store, which
+    outlives the attempts (``TORCHELASTIC_RESTART_COUNT``): ``rd/attempt<N>``."""
+    return f"{ROOT}/attempt{restart}"
+
+
+def attached_key(restart: int | str) -> str:
+    """The counter of the ranks of torchrun attempt ``restart`` that attached to a group the
+    user created, in the default group's store."""
+    return f"{ROOT}/torchelastic/attempt{restart}/attached"
+
+
+def generation_prefix(generation: int) -> str:
+    """The prefix of generation ``generation``'s keys in the job's namespace: ``g<N>``."""
+    return f"g{generation}"
+
+
+def group_prefix(generation: int) -> str:
+    """The prefix, in the job's namespace, of torch's rendezvous keys for generation
+    ``generation``'s process group: ``g<N>/pg``."""
+    return f"{generation_prefix(generation)}/pg"
+
+
+class PreflightKeys:
+    """The start-up checks' keys of torchrun attempt ``restart`` (0 outside torchrun), in
+    torch's rendezvous store, under ``rd/preflight/<restart>/``.
+
+    Attributes:
+        prefix: ``rd/preflight/<restart>``.
+        arrived: The ranks that published their facts (a counter).
+        done: The ranks that read the verdict (a counter).
+    """
+
+    def __init__(self, restart: int) -> None:
+        self.prefix = f"{PREFLIGHT_PREFIX}/{restart}"
+        self.arrived = f"{self.prefix}/n"
+        self.done = f"{self.prefix}/done"
+
+    def facts(self, rank: int) -> str:
+        """Rank ``rank``'s facts (versions, devices, host)."""
+        return f"{self.prefix}/{rank}"
+
+    def verdict(self, slot: int = 0) -> str:
+        """Verdict slot ``slot``: ``verdict``, then ``verdict/<slot>`` (with a secret, a slot
+        that holds a record the job did not write is skipped for the next)."""
+        name = f"{self.prefix}/verdict"
+        return name if slot == 0 else f"{name}/{slot}"
+
+
 _JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 _MAX_JOB_ID = 128
 
@@ -154,7 +238,7 @@ class JobRoot(dist.PrefixStore):
 
     def __init__(self, job_id: str, store: dist.Store, mac_key: bytes | None) -> None:
         check_job_id(job_id)
-        prefix = f"rd/{job_id}" if mac_key is None else f"rd/{job_id}/{names_tag(mac_key)}"
+        prefix = job_prefix(job_id, mac_key)
         super().__init__(prefix, store)
         self.job_id = job_id
         self.mac_key = mac_key
@@ -400,9 +484,6 @@ def group_secret(timeout: timedelta) -> str:
     return bytes(buf.cpu().tolist()).hex()
 
 
-_JOB_KEY = "resilient_ddp/job_id"
-
-
 def _job_of_this_group(timeout: timedelta) -> str:
     """Rank 0 draws the job id and shares it through torch's default store (new for each
     job); the other ranks wait for it."""
@@ -413,9 +494,9 @@ def _job_of_this_group(timeout: timedelta) -> str:
     store = attempt_namespace(dist.distributed_c10d._get_default_store())
     if dist.get_rank() == 0:
         job = new_job_id()
-        store.set(_JOB_KEY, job)
+        store.set(JOB_ID_KEY, job)
         return job
-    return _wait_text(store, _JOB_KEY, timeout, "rank 0 did not publish the job id")
+    return _wait_text(store, JOB_ID_KEY, timeout, "rank 0 did not publish the job id")
 
 
 def _wait_text(store: dist.Store, key: str, timeout: timedelta, why: str) -> str:
@@ -584,7 +665,7 @@ class ControlPlane:
     def __init__(self, root: dist.Store, generation: int) -> None:
         self.root = root
         self.generation = generation
-        self.store: dist.Store = dist.PrefixStore(f"g{generation}", root)
+        self.store: dist.Store = dist.PrefixStore(generation_prefix(generation), root)
         self.key = mac_key(root)
         # Replays: the highest beat read of each rank (a heartbeat whose beat is lower is
         # an old record written back: ignored). Threads share it (the watchdog, the main
@@ -675,7 +756,7 @@ class ControlPlane:
         """Read, in one round trip, the event count, the diagnosis counter, the states of
         the watched ranks and, with ``joins``, the job's join request counter (``join/n``,
         which elastic training creates; -1 without)."""
-        g = f"g{self.generation}"
+        g = generation_prefix(self.generation)
         keys = [f"{g}/ev/n", f"{g}/diag"] + [f"{g}/state/{r}" for r in watched]
         before = self._beats_before()
         raw = self._call(self.root.multi_get, keys + (["join/n"] if joins else []))
@@ -800,7 +881,7 @@ class ControlPlane:
     # -- plumbing ----------------------------------------------------------------------------
     def _name(self, key: str) -> str:
         """``key``'s name under the job root (what a record's MAC covers)."""
-        return f"g{self.generation}/{key}"
+        return f"{generation_prefix(self.generation)}/{key}"
 
     def _set(self, key: str, value: dict[str, Any]) -> None:
         self._call(self.store.set, key, seal(self.key, self._name(key), value))

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
+from . import _control as ctl
+
 __all__ = [
     "attempt_namespace",
     "forget_default_group_addresses",
@@ -26,9 +28,6 @@ __all__ = [
 ]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-
-# Our own keys in the default group's store (the attach counter of _last_to_attach).
-_KEY_PREFIX = "resilient_ddp.torchelastic"
 
 RESTART_HINT = (
     "this job runs under torchrun with restarts, and its process group was created by "
@@ -205,13 +204,14 @@ def _last_to_attach(env: Mapping[str, str]) -> bool:
     """
     store = dist.distributed_c10d._get_default_store()
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    n = int(store.add(f"{_KEY_PREFIX}/attempt{attempt}/attached", 1))
+    n = int(store.add(ctl.attached_key(attempt), 1))
     return n % dist.get_world_size() == 0
 
 
 def attempt_namespace(store: dist.Store) -> dist.Store:
     """``store`` as seen by this torchrun attempt: under the agent's store, which outlives the
-    attempts, a ``PrefixStore`` of the attempt's own (``attempt<N>/``); else ``store``.
+    attempts, a ``PrefixStore`` of the attempt's own (``rd/attempt<N>/``,
+    :func:`~resilient_ddp._control.attempt_prefix`); else ``store``.
 
     For the control plane over a group the user created: without it a restarted attempt
     would read the previous attempt's states and failure events (and blame its culprit).
@@ -225,7 +225,7 @@ def attempt_namespace(store: dist.Store) -> dist.Store:
     if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return store
     _attempt_namespaced = True
-    return dist.PrefixStore(f"attempt{restart}", store)
+    return dist.PrefixStore(ctl.attempt_prefix(restart), store)
 
 
 # Whether this process's control plane went through attempt_namespace: only then does a

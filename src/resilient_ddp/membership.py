@@ -1,9 +1,10 @@
 """Membership: generations of the process group, and rebuilding it as a group decision.
 
-Generation ``N``'s process group rendezvouses under store prefix ``rd/g<N>/pg`` and its
-control plane lives under ``rd/g<N>/``. Moving to ``N+1`` needs every member to agree
-through the store (never through the broken data plane), after which each member aborts and
-destroys the old group and creates the new one.
+Generation ``N``'s process group rendezvouses under store prefix ``rd/<job>/g<N>/pg``
+(:func:`~resilient_ddp._control.group_prefix`) and its control plane lives under
+``rd/<job>/g<N>/``. Moving to ``N+1`` needs every member to agree through the store (never
+through the broken data plane), after which each member aborts and destroys the old group
+and creates the new one.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def rebuild(
         # Kept until no reducer holds it, then released (see release_retired).
         retire_group(dist.group.WORLD, rt.take_stuck())
         dist.destroy_process_group()
-    store = dist.PrefixStore(f"g{generation}/pg", rt.control_root)
+    store = dist.PrefixStore(ctl.group_prefix(generation), rt.control_root)
     try:
         dist.init_process_group(
             backend,

@@ -45,7 +45,15 @@ import torch.distributed as dist
 
 from . import _clock
 from ._backend import nccl_version
-from ._control import Backoff, operator_secret, seal, serve_store, unseal_dict
+from ._control import (
+    PREFLIGHT_PREFIX,
+    Backoff,
+    PreflightKeys,
+    operator_secret,
+    seal,
+    serve_store,
+    unseal_dict,
+)
 from ._control import present as _present
 from .errors import PreflightError, format_rank_table
 
@@ -60,7 +68,6 @@ __all__ = [
     "preflight",
 ]
 
-_PREFIX = "rd/preflight"
 _COMPARED = ("python", "torch", "cuda", "nccl")
 _CHECKER = 0  # the rank that reads every rank's facts, once, and publishes the verdict
 _POLL_S = 0.05  # rank 0, lingering until the others read its verdict
@@ -482,12 +489,11 @@ def _exchange(
         PreflightError: The verdict names problems, or ranks did not arrive; or the store
             stopped answering.
     """
-    prefix = f"{_PREFIX}/{env.restart}"
-    own = f"{prefix}/{env.rank}"
+    own = _keys(env).facts(env.rank)
     _call(env, store.set, own, seal(env.key, own, facts))
     # Then counted: the checker polls the count, and reads the ranks' keys only when it
     # moved to every rank (the last rank's key is there before its count).
-    _add(store, env, f"{prefix}/n", 1)
+    _add(store, env, _keys(env).arrived, 1)
     table = {env.rank: facts}
     verdict, mine = _await_verdict(store, env, deadline, table)
     return _conclude(store, env, verdict, mine, table)
@@ -498,15 +504,15 @@ def _await_verdict(
 ) -> tuple[dict[str, Any], bool]:
     """The verdict (see :func:`_exchange`) and whether this rank's proposal won; adds the
     facts this rank read to ``table``. Blocks until ``deadline`` at most."""
-    prefix = f"{_PREFIX}/{env.restart}"
-    keys = [f"{prefix}/{r}" for r in range(env.world_size)]
+    names = _keys(env)
+    keys = [names.facts(r) for r in range(env.world_size)]
     checker = env.rank == _CHECKER
     # ``check`` and ``add(counter, 0)`` never block (a timed ``wait`` would log a warning on
     # every expiry): one request a poll (two on the checker), whatever the number of ranks.
     poll, seen = Backoff(env.world_size, 1), -1
     while _clock.monotonic() < deadline:
         if checker:
-            count = _add(store, env, f"{prefix}/n", 0)
+            count = _add(store, env, names.arrived, 0)
             if count != seen:
                 poll.reset()
                 seen = count
@@ -529,7 +535,7 @@ def _give_up(
     """At this rank's deadline, with no verdict: find which ranks arrived (a halving search
     of their keys) and propose a verdict: the ranks that never arrived, or, when all did
     (the checker is gone or late), this rank's own comparison of their facts."""
-    keys = [f"{_PREFIX}/{env.restart}/{r}" for r in range(env.world_size)]
+    keys = [_keys(env).facts(r) for r in range(env.world_size)]
     present = _present(functools.partial(_call, env, store.check), keys)
     arrived = [r for r, there in enumerate(present) if there]
     table.update(_read_facts(store, env, keys, arrived))
@@ -611,13 +617,16 @@ def _propose(
 _SLOTS = 4  # with a secret, a verdict slot holding another process's record is skipped
 
 
+def _keys(env: Environment) -> PreflightKeys:
+    """This attempt's start-up keys (spelled by the control plane)."""
+    return PreflightKeys(env.restart)
+
+
 def _verdict_slots(env: Environment) -> list[str]:
     """The keys a verdict may be in: with a secret, the first of these that does not hold
     a record the job did not write; without one, the first."""
-    name = f"{_PREFIX}/{env.restart}/verdict"
-    if env.key is None:
-        return [name]
-    return [name] + [f"{name}/{i}" for i in range(1, _SLOTS)]
+    names = _keys(env)
+    return [names.verdict(i) for i in range(1 if env.key is None else _SLOTS)]
 
 
 def _read_verdict(store: dist.Store, env: Environment) -> dict[str, Any] | None:
@@ -693,15 +702,15 @@ def _release(store: dist.Store, env: Environment, *, ok: bool) -> None:
     a failed verdict those stay for the store's host to count its readers
     (:func:`_linger`), and the next attempt's checker deletes them
     (:func:`_forget_attempt`). Best effort: a store that fails here fails the next step."""
-    prefix = f"{_PREFIX}/{env.restart}"
+    names = _keys(env)
     try:
-        done = int(store.add(f"{prefix}/done", 1))
+        done = int(store.add(names.done, 1))
         if done >= env.world_size:
             for r in range(env.world_size):
-                store.delete_key(f"{prefix}/{r}")
+                store.delete_key(names.facts(r))
             if ok:
-                for name in ("n", "done"):
-                    store.delete_key(f"{prefix}/{name}")
+                for name in (names.arrived, names.done):
+                    store.delete_key(name)
                 for slot in _verdict_slots(env):
                     store.delete_key(slot)
         if env.rank == _CHECKER and env.restart > 0:
@@ -716,16 +725,16 @@ def _forget_attempt(store: dist.Store, env: Environment, restart: int) -> None:
     an attempt before it starts the next. One request when it left none; the ranks' facts
     keys one by one only when some rank never read the verdict (then they are still
     there)."""
-    prefix = f"{_PREFIX}/{restart}"
-    if not store.check([f"{prefix}/n"]):
+    names = PreflightKeys(restart)
+    if not store.check([names.arrived]):
         return
-    if int(store.add(f"{prefix}/done", 0)) < env.world_size:
+    if int(store.add(names.done, 0)) < env.world_size:
         for r in range(env.world_size):
-            store.delete_key(f"{prefix}/{r}")
-    for name in ("verdict", "n", "done"):
-        store.delete_key(f"{prefix}/{name}")
+            store.delete_key(names.facts(r))
+    for name in (names.verdict(), names.arrived, names.done):
+        store.delete_key(name)
     for i in range(1, _SLOTS):
-        store.delete_key(f"{prefix}/verdict/{i}")
+        store.delete_key(names.verdict(i))
 
 
 def _pack(verdict: dict[str, Any]) -> bytes:
@@ -740,7 +749,7 @@ def _unpack(env: Environment, raw: bytes, name: str | None = None) -> dict[str, 
     Raises:
         PreflightError: It is not one (another process wrote the key).
     """
-    name = f"{_PREFIX}/{env.restart}/verdict" if name is None else name
+    name = _keys(env).verdict() if name is None else name
     body = _unseal_bytes(env.key, name, bytes(raw))
     verdict: Any = None
     if body is not None:
@@ -804,7 +813,7 @@ def _not_ours(env: Environment, name: str, raw: Any) -> PreflightError:
     return PreflightError(
         f"Rank {env.rank} read a start-up record under {name!r} in the rendezvous store at "
         f"{env.master_addr}:{env.master_port} that was not written by this job (not "
-        f"{sealed}: {bytes(raw)[:80]!r}): another process writes under {_PREFIX}/ in this "
+        f"{sealed}: {bytes(raw)[:80]!r}): another process writes under {PREFLIGHT_PREFIX}/ in this "
         "store. Start-up stops here; keep the store's port reachable to the job only, and "
         "give the ranks a secret (RESILIENT_DDP_SECRET or RESILIENT_DDP_SECRET_FILE) so "
         "that such records are told apart.",
@@ -827,15 +836,15 @@ def _add(store: dist.Store, env: Environment, key: str, n: int) -> int:
 def _linger(store: dist.Store, env: Environment, error: PreflightError, budget: timedelta) -> None:
     """The store host failed preflight: keep serving until every rank that arrived has
     read the verdict (counted in ``done``), at most ``budget``."""
-    prefix = f"{_PREFIX}/{env.restart}"
+    names = _keys(env)
     try:
         if not store.check(_verdict_slots(env)[:1]):  # this rank never concluded
             payload = {"rank": env.rank, "message": str(error), "problems": list(error.problems)}
             _propose(store, env, payload)
-            store.add(f"{prefix}/done", 1)
+            store.add(names.done, 1)
         end = _clock.monotonic() + budget.total_seconds()
         while _clock.monotonic() < end:
-            if int(store.add(f"{prefix}/done", 0)) >= int(store.add(f"{prefix}/n", 0)):
+            if int(store.add(names.done, 0)) >= int(store.add(names.arrived, 0)):
                 return
             _clock.sleep(_POLL_S)
     except (RuntimeError, OSError, PreflightError):  # our own server: nothing more to do

@@ -130,7 +130,7 @@ def init_process_group(
             # torchrun's agent keeps one store across restarts: without a namespace per
             # attempt, gloo would read the previous attempt's addresses (connection refused)
             # and the watchdog its failure events.
-            store = dist.PrefixStore(f"attempt{env.restart}", store)
+            store = dist.PrefixStore(ctl.attempt_prefix(env.restart), store)
         if init_method is not None:
             kwargs["init_method"] = init_method
         if store is not None:
