@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -192,16 +193,36 @@ writer = _Writer()
 os.register_at_fork(after_in_child=writer._after_fork)
 
 
+def _nobody() -> tuple[int, int] | None:
+    return None
+
+
+#: Who this process is in the job, ``(rank, generation)``, or ``None`` while it has no
+#: runtime: set by ``_runtime`` when it is imported (the runtime sits above this layer).
+_identity: Callable[[], tuple[int, int] | None] = _nobody
+
+
+def set_identity(provider: Callable[[], tuple[int, int] | None]) -> None:
+    """Make ``provider`` the answer of :func:`identity` (``_runtime`` calls it at import)."""
+    global _identity
+    _identity = provider
+
+
+def identity() -> tuple[int, int] | None:
+    """This process's ``(rank, generation)`` in the job, or ``None`` without a runtime
+    (before ``init_process_group``, after ``destroy_process_group``, or in a process that
+    never imported the runtime). Never blocks, never raises."""
+    return _identity()
+
+
 class RankFilter(logging.Filter):
     """Put ``rank`` and ``generation`` on every record of the ``resilient_ddp`` logger (``-``
     without a process group), for a format such as ``"[rank %(rank)s] %(message)s"``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from . import _runtime
-
-        rt = _runtime.current()
-        record.rank = rt.rank if rt is not None else "-"
-        record.generation = rt.generation if rt is not None else "-"
+        who = identity()
+        record.rank = who[0] if who is not None else "-"
+        record.generation = who[1] if who is not None else "-"
         return True
 
 

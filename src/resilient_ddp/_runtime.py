@@ -1664,6 +1664,17 @@ def current() -> Runtime | None:
     return _runtime
 
 
+def _identity() -> tuple[int, int] | None:
+    """The current runtime's ``(rank, generation)``: what the layers below it (the event
+    log's rank filter, torchrun's error file) know of this process, through
+    :func:`._events.set_identity`."""
+    rt = _runtime
+    return None if rt is None else (rt.rank, rt.generation)
+
+
+_events.set_identity(_identity)
+
+
 #: Attaches a runtime to torch's default group on first use: set by ``process_group`` (the
 #: layer that owns the group's life) when it is imported, so that the operations below it
 #: find their runtime without importing it.

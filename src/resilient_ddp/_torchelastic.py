@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
+from . import _events
+
 __all__ = [
     "attempt_namespace",
     "forget_default_group_addresses",
@@ -97,11 +99,9 @@ def _type_name(cls: type) -> str:
 
 
 def _own_rank() -> int | None:
-    from . import _runtime
-
-    rt = _runtime.current()
-    if rt is not None:
-        return rt.rank
+    who = _events.identity()  # the runtime's, once it exists
+    if who is not None:
+        return who[0]
     with contextlib.suppress(KeyError, ValueError):
         return int(os.environ["RANK"])
     return None
