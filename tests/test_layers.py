@@ -2,9 +2,9 @@
 sideways, within a layer), deferred imports (inside functions) included; imports under
 ``if TYPE_CHECKING:`` never run and are not counted.
 
-The known upward imports are listed in ``KNOWN_UPWARD`` (the debt issue 27 pays off): a
-new one fails this test, and so does one listed here that is gone (remove it from the
-list). ``docs/architecture.md`` draws the same layers.
+Known upward imports would be listed in ``KNOWN_UPWARD`` (the debt issue 27 paid off: none
+is left): a new one fails this test, and so does one listed there that is gone.
+``docs/architecture.md`` draws the same layers.
 """
 
 from __future__ import annotations
@@ -72,13 +72,9 @@ LAYERS: dict[str, int] = {
     ),
 }
 
-#: Upward imports that exist today (importer -> imported): each is debt. Remove an entry
-#: when its import is gone; never add one.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("_torchelastic", "_runtime"),  # deferred: the current runtime
-    ("watchdog", "elastic"),  # deferred: join requests and shrink from the watchdog
-    ("membership", "process_group"),  # joining the control plane, retiring groups
-}
+#: Upward imports that exist today (importer -> imported): each is debt. None is left (issue
+#: 27): an upper layer passes a hook down instead (see docs/architecture.md). Never add one.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

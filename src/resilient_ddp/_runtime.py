@@ -1668,12 +1668,13 @@ def current() -> Runtime | None:
 
 
 def _identity() -> tuple[int, int] | None:
+    """The current runtime's ``(rank, generation)``: what the layers below it (the event
+    log's rank filter, torchrun's error file) know of this process, through
+    :func:`._events.set_identity`."""
     rt = _runtime
     return None if rt is None else (rt.rank, rt.generation)
 
 
-# The rank and generation that _events puts on log records (RankFilter) and in front of
-# messages (rank_log): this process's current runtime's.
 _events.set_identity(_identity)
 
 

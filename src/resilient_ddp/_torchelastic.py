@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from . import _control as ctl
+from . import _events
 
 __all__ = [
     "attempt_namespace",
@@ -96,11 +97,9 @@ def _type_name(cls: type) -> str:
 
 
 def _own_rank() -> int | None:
-    from . import _runtime
-
-    rt = _runtime.current()
-    if rt is not None:
-        return rt.rank
+    who = _events.identity()  # the runtime's, once it exists
+    if who is not None:
+        return who[0]
     with contextlib.suppress(KeyError, ValueError):
         return int(os.environ["RANK"])
     return None

@@ -51,7 +51,8 @@ from .errors import (
     ResilientDDPError,
     format_rank_table,
 )
-from .process_group import _group_users, ensure_runtime, release_retired
+from .membership import _group_users, release_retired
+from .process_group import ensure_runtime
 
 __all__ = ["ResilientDDP", "make_resilient"]
 

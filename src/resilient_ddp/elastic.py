@@ -135,6 +135,17 @@ class Elastic:
                     logger = rank_log.of(change)
                     logger.exception("a world-size listener raised; going on")
 
+    def acknowledge_pending(
+        self, rt: Runtime, jobs: ctl.JobStore, generation: int, rank: int, requests: int
+    ) -> None:
+        """The watchdog saw ``requests`` join requests (as ``rank`` of ``generation``):
+        acknowledge them (:func:`acknowledge`) if one is still to be admitted. Every member
+        acknowledges a round when, and only when, a request in it is still to be admitted:
+        a round that one member would wait for, all complete. Reads the join requests (one
+        store call each, a few per request); raises what the store calls raise."""
+        if pending_joiners(jobs, self, note=False):
+            acknowledge(rt, self, jobs, generation, rank, requests)
+
     # -- samplers ----------------------------------------------------------------------------
     def live_samplers(self) -> list[Any]:
         return live(self.samplers)

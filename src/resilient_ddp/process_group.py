@@ -6,9 +6,7 @@ import atexit
 import logging
 import os
 import sys
-import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -23,9 +21,9 @@ from .config import ResilienceConfig, get_config, resolve
 from .elastic import JOINER_ENV, join
 from .elastic import leave as elastic_leave
 from .elastic import setup as elastic_setup
-from .errors import ConfigError, PreflightError
+from .errors import ConfigError
+from .membership import join_control_plane, release_retired
 from .preflight import preflight
-from .watchdog import Watchdog
 
 __all__ = ["destroy_process_group", "init_process_group", "is_initialized"]
 
@@ -181,7 +179,7 @@ def attach(
     )
     if rt.rank == 0:
         _say_protection(rt)
-    _join_control_plane(rt)
+    join_control_plane(rt)
     from ._torchelastic import plain_init_restart_hint
 
     hint = None if owned else plain_init_restart_hint()
@@ -214,27 +212,6 @@ def _say_protection(rt: Runtime) -> None:
         ctl.SECRET_ENV,
         ctl.SECRET_FILE_ENV,
     )
-
-
-def _join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:
-    c = rt.control
-    timeout = rt.config.init_timeout if timeout is None else timeout
-    # The watchdog's own connection, made and used once here, under the start-up budget:
-    # a new connection to a TCPStore sometimes answers its first calls only after about
-    # 5 s (see Runtime.connection), and a watchdog must never wait that long.
-    rt.connection("watchdog").event_count()
-    c.publish_info(rt.rank, rt.identity)
-    c.init_counters()
-    c.publish_state(rt.rank, rt.snapshot(0))
-    missing = c.wait_attached(rt.world_size, timeout)
-    if missing:
-        raise PreflightError(
-            f"Rank(s) {missing} did not attach to resilient_ddp within "
-            f"{timeout}: every rank must call resilient_ddp.init_process_group() "
-            "(or its first resilient_ddp collective) at start-up.",
-            problems=[f"rank {r} never attached" for r in missing],
-        )
-    rt.start_watchdog(c.read_infos(list(range(rt.world_size))), Watchdog)
 
 
 def _attach_on_first_use(config: ResilienceConfig | None) -> Runtime:
@@ -294,78 +271,6 @@ _abandoned: list[Any] = []
 # finalization a gloo thread waiting for it is ended, and the process aborts). Costs one
 # group's sockets and threads per init/destroy cycle of a process.
 _retired: list[Any] = []
-
-
-# Groups of earlier generations (elastic shrink and admission, group retries), each with
-# the works that failed on it (``Runtime.stuck``), waiting to be released: see retire_group.
-_retiring: list[tuple[Any, list[Any]]] = []
-# Models whose reducer may hold a retired group (ResilientDDP adds itself).
-_group_users: weakref.WeakSet[Any] = weakref.WeakSet()
-# Releases still blocked in the backend after release_retired stopped waiting for them.
-_releasing: list[threading.Thread] = []
-# How long release_retired waits for the backend to let a group go, before it leaves the
-# rest to its helper thread (a group whose op waits on a peer that is stopped, not dead).
-_RELEASE_WAIT_S = 0.5
-
-
-def retire_group(group: Any, works: list[Any]) -> None:
-    """Keep ``group`` (just destroyed: a new generation replaces it) and its failed
-    ``works`` until :func:`release_retired` can let them go safely."""
-    _retiring.append((group, list(works)))
-
-
-def release_retired(wait_s: float = _RELEASE_WAIT_S) -> None:
-    """Release the retired groups that no model's reducer still holds, with their works:
-    their sockets, threads and buffers.
-
-    Each rebuild of the process group used to keep the old one for good (about W file
-    descriptors, 3 threads and the failed works' bucket tensors per generation). Letting
-    it go is safe only (a) through its Python handle, whose destructor releases the GIL
-    while ``~ProcessGroupGloo`` joins the group's worker threads (a worker finishing a late
-    op needs the GIL to free a tensor Python saw), so never while a reducer still holds the
-    group (its C++ destructor would drop the last reference with the GIL held); and (b) not
-    in the main thread when an op of the group is still blocked in the backend (on a peer
-    that is stopped rather than dead, or on a survivor that has not released its own old
-    group yet): the destructor waits for it, up to the backend's timeout.
-
-    So the handles are dropped in a helper thread, and this waits at most ``wait_s`` for it
-    (an idle group goes in a few milliseconds); a release still blocked then goes on in the
-    background (the exit guard is armed: the process must not run the backend's
-    destructors at exit), and ends once the op does: the peer's connection closes, or the
-    backend's timeout passes. Call it from the main thread.
-    """
-    in_use = [
-        m.__dict__.get("process_group") for m in list(_group_users) if "reducer" in m.__dict__
-    ]
-    free_ids = {id(e[0]) for e in _retiring if not any(u is e[0] for u in in_use)}
-    _releasing[:] = [t for t in _releasing if t.is_alive()]
-    if not free_ids:
-        return
-    # Handed over in a box that the helper empties: no frame of this thread may keep a
-    # reference (its last one would then be dropped here, where the op may block).
-    box = [[e for e in _retiring if id(e[0]) in free_ids]]
-    _retiring[:] = [e for e in _retiring if id(e[0]) not in free_ids]
-    worker = threading.Thread(
-        target=_release, args=(box,), name="resilient_ddp-release", daemon=True
-    )
-    worker.start()
-    del box
-    worker.join(wait_s)
-    if worker.is_alive():
-        log.debug("a retired process group waits for a blocked op; released in background")
-        _runtime.arm_exit_guard()
-        _releasing.append(worker)
-
-
-def _release(box: list[list[tuple[Any, list[Any]]]]) -> None:
-    entries = box.pop()
-    t0 = time.monotonic()
-    n = len(entries)
-    while entries:
-        # The popped entry is dropped at once: torch's handle releases the GIL while the
-        # group's destructor joins its threads and closes its connections.
-        entries.pop()
-    log.debug("released %d retired process group(s) in %.3f s", n, time.monotonic() - t0)
 
 
 def _detach(rt: Runtime) -> None:

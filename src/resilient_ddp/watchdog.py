@@ -427,9 +427,8 @@ class Watchdog(threading.Thread):
     def _acknowledge(self, joins: int) -> None:
         """Acknowledge ``joins`` join requests as this watchdog's generation and rank if one
         of them is still to be admitted (the training thread may be moving to another
-        generation: then the next tick looks again)."""
-        from . import elastic
-
+        generation: then the next tick looks again). Through the runtime's elastic state
+        (``Runtime.start_elastic``), which this layer does not import."""
         rt, el = self.rt, self.rt.elastic
         assert el is not None
         if (rt.generation, rt.rank, len(el.members)) != (
@@ -440,10 +439,7 @@ class Watchdog(threading.Thread):
             return  # the generation is changing (members not yet set): the next tick
         if self._jobs is None:
             self._jobs = ctl.JobStore(self.control.root)
-        # Every member acknowledges a round when, and only when, a request in it is still
-        # to be admitted: a round that one member would wait for, all complete.
-        if elastic.pending_joiners(self._jobs, el, note=False):
-            elastic.acknowledge(rt, el, self._jobs, self._generation, self._rank, joins)
+        el.acknowledge_pending(rt, self._jobs, self._generation, self._rank, joins)
         self._joins_known = joins
 
     # -- records written by others ----------------------------------------------------------
