@@ -395,7 +395,8 @@ def _shrink(
         except Exception as e:  # noqa: BLE001 - reported in the row, never silent
             errors.append(f"rank {rt.rank}: {type(e).__name__}: {e}")
             return
-        results[rt.rank] = (t_in, time.time(), dec.get("gen"), dec.get("members"))
+        members = list(dec.members) if dec.fail is None else None
+        results[rt.rank] = (t_in, time.time(), dec.gen, members)
 
     threads = []
     for r in survivors:

@@ -416,6 +416,29 @@ def test_a_member_that_acknowledged_keeps_looking_until_its_generation_ends() ->
     assert not el.join_seen
 
 
+def test_the_watchdog_acknowledges_only_while_a_request_is_pending() -> None:
+    """``Elastic.acknowledge_pending`` is the watchdog's way into the elastic layer (it
+    does not import it): a round is acknowledged only if a request in it is still to be
+    admitted, and never changes ``joins_seen`` (the training thread's count)."""
+    from types import SimpleNamespace
+
+    from resilient_ddp import elastic
+
+    jobs = ctl.JobStore(ctl.root_prefix(dist.HashStore(), "job", "secret"))
+    jobs.init_joins()
+    rt: Any = SimpleNamespace(generation=3, rank=1)
+    el = elastic.Elastic(uid=1, members=[0, 1], committed=9)
+    jobs.request_join({"uid": 1000001, "host": "h", "pid": 1})
+    jobs.mark_admitted(1000001)  # admitted already: nothing is pending
+    el.acknowledge_pending(rt, jobs, 3, 1, 1)
+    assert (el.acked, el.join_seen) == ((-1, -1), False)
+    assert jobs.missing_acks(3, 1, 2) == [0, 1]
+    jobs.request_join({"uid": 1000002, "host": "h", "pid": 2})
+    el.acknowledge_pending(rt, jobs, 3, 1, 2)
+    assert (el.acked, el.join_seen, el.joins_seen) == ((3, 2), True, 0)
+    assert jobs.missing_acks(3, 2, 2) == [0]
+
+
 _FILE_STORE_RANK = """
 import json, os, sys, time, torch, resilient_ddp as rd
 from datetime import timedelta

@@ -1102,13 +1102,9 @@ def test_members_read_an_admission_that_does_not_grow_with_the_world() -> None:
         jobs.request_join({"uid": 1000001, "host": "h", "pid": 1})
         decider = elastic.Elastic(uid=0, members=list(range(world)))
         assert elastic._decide(fake_runtime(root, world), decider, jobs, "grow/g0", 4)
-        want = {
-            "at": 5,
-            "joiners": [1000001],
-            "gen": 1,
-            "from": 0,
-            "members": [*range(world), 1000001],
-        }
+        want = Admission(
+            at=5, joiners=(1000001,), gen=1, from_gen=0, members=(*range(world), 1000001)
+        )
         assert decider.grow == want
         record = jobs.decision("grow/g0")
         assert record is not None
@@ -1118,7 +1114,14 @@ def test_members_read_an_admission_that_does_not_grow_with_the_world() -> None:
         assert elastic._admission("grow/g0", record, list(range(world))) == want
         with pytest.raises(ControlPlaneError, match="copy differs"):
             elastic._admission("grow/g0", record, [*range(world - 1), 5000])
-        assert jobs.admission_for(1000001) == {**want, "rank": world}
+        assert jobs.admission_for(1000001) == {  # the joiner's record: the wire format
+            "at": 5,
+            "joiners": [1000001],
+            "gen": 1,
+            "from": 0,
+            "members": [*range(world), 1000001],
+            "rank": world,
+        }
     assert sizes[1024] <= sizes[8] + 3, sizes  # the digits of the world size
     assert sizes[1024] < 200, sizes
 

@@ -177,6 +177,30 @@ def test_the_scan_sees_top_level_deferred_and_typing_imports(
     assert _imports("m", path, modules) == expected
 
 
+def test_the_lower_layers_know_who_this_process_is_through_the_runtimes_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_events`` and ``_torchelastic`` (layer 1) learn the rank and generation from the
+    provider ``_runtime`` registers at import, not by importing it."""
+    import logging
+    from types import SimpleNamespace
+
+    from resilient_ddp import _events, _runtime, _torchelastic
+
+    monkeypatch.setenv("RANK", "5")
+    record = logging.LogRecord("resilient_ddp", logging.INFO, __file__, 1, "m", None, None)
+    monkeypatch.setattr(_runtime, "_runtime", SimpleNamespace(rank=3, generation=2))
+    assert _events.identity() == (3, 2)
+    assert _events.RankFilter().filter(record)
+    assert (record.rank, record.generation) == (3, 2)  # type: ignore[attr-defined]
+    assert _torchelastic._own_rank() == 3
+    monkeypatch.setattr(_runtime, "_runtime", None)
+    assert _events.identity() is None
+    _events.RankFilter().filter(record)
+    assert (record.rank, record.generation) == ("-", "-")  # type: ignore[attr-defined]
+    assert _torchelastic._own_rank() == 5  # torchrun's variable, without a runtime
+
+
 def test_the_architecture_page_lists_the_same_layers_and_debt() -> None:
     """docs/architecture.md is kept honest: its layer table names every module in its
     layer, and its debt table is ``KNOWN_UPWARD``."""

@@ -108,7 +108,7 @@ class _Ranks:
                 (0, self.world),
             )
 
-    def decisions(self) -> dict[int, dict[str, Any]]:
+    def decisions(self) -> dict[int, ShrinkDecision]:
         try:
             return {r: f.result(timeout=30) for r, f in self.futures.items()}
         finally:
@@ -141,7 +141,7 @@ def _proposal(rank: int) -> dict[str, Any]:
     return Proposal(rank=rank, uid=rank, committed=5, where="reduce", grads=True).to_json()
 
 
-def _same(decisions: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def _same(decisions: dict[int, ShrinkDecision]) -> ShrinkDecision:
     first = next(iter(decisions.values()))
     assert all(d == first for d in decisions.values()), decisions
     return first
@@ -155,7 +155,7 @@ def test_one_rank_reads_the_log_when_its_decider_is_healthy() -> None:
     ranks = _Ranks(base, 8, list(range(7)), dead=(7,))
     ranks.start()
     dec = _same(ranks.decisions())
-    assert (dec["members"], dec["lost"], dec["outcome"]) == (list(range(7)), [7], "redo"), dec
+    assert (dec.members, dec.lost, dec.outcome) == (tuple(range(7)), (7,), "redo"), dec
     reads = ranks.log_reads()
     readers = [r for r, n in reads.items() if n]
     assert len(readers) == 1, reads
@@ -174,7 +174,7 @@ def test_one_rank_reads_the_log_when_its_decider_is_healthy() -> None:
         assert ranks.stores[r].count("multi_get") == 0
 
 
-def _shrink_of(world: int) -> tuple[dict[str, Any], dict[int, int], dict[int, int]]:
+def _shrink_of(world: int) -> tuple[ShrinkDecision, dict[int, int], dict[int, int]]:
     """``world`` ranks, the last one killed, the others running ``_agree``: the decision,
     the bytes each survivor read from the decision key, and who read the log."""
     base = dist.HashStore()
@@ -194,9 +194,9 @@ def test_what_each_survivor_reads_of_the_decision_does_not_grow_with_the_world()
     per_rank: dict[int, int] = {}
     for world in (8, 256):
         dec, read, log_reads = _shrink_of(world)
-        members = list(range(world - 1))
-        assert (dec["members"], dec["old_ranks"], dec["lost"]) == (members, members, [world - 1])
-        assert dec["outcome"] == "redo", dec
+        members = tuple(range(world - 1))
+        assert (dec.members, dec.old_ranks, dec.lost) == (members, members, (world - 1,))
+        assert dec.outcome == "redo", dec
         readers = [r for r, n in log_reads.items() if n]
         assert len(readers) == 1, readers
         waiters = {r: n for r, n in read.items() if r not in readers}
@@ -204,7 +204,7 @@ def test_what_each_survivor_reads_of_the_decision_does_not_grow_with_the_world()
         per_rank[world] = max(waiters.values())
         assert per_rank[world] < 300, (world, per_rank[world])
         if world == 256:
-            full = len(ctl.seal(b"k" * 32, DECISION, dec))  # what every survivor read before
+            full = len(ctl.seal(b"k" * 32, DECISION, dec.to_json()))  # what each read before
             assert full > 1900, full
     # The same record but for the digits of the world size and of the lost rank.
     assert per_rank[256] <= per_rank[8] + 4, per_rank
@@ -234,7 +234,7 @@ def test_a_decision_without_the_jobs_mac_is_ignored() -> None:
     ranks = _Ranks(root, 4, [0, 1, 2], dead=(3,))
     ranks.start()
     dec = _same(ranks.decisions())
-    assert (dec["members"], dec["lost"]) == ([0, 1, 2], [3]), dec
+    assert (dec.members, dec.lost) == ((0, 1, 2), (3,)), dec
     assert base.check([f"{root.prefix}/{DECISION}/1"])
 
 
@@ -258,11 +258,11 @@ def test_a_decision_a_rank_cannot_follow_is_refused() -> None:
     jobs.decide(DECISION, dec.to_record([0, 1, 2, 3]))
     rt = _rt(root, 4, 1, dead=(3,))
 
-    def agree(members: list[int]) -> dict[str, Any]:
+    def agree(members: list[int]) -> ShrinkDecision:
         el = SimpleNamespace(uid=1, committed=5, members=members)
         return elastic._agree(rt, el, BASE, [0, 1, 2, 3], "reduce", True, (0, 4))  # type: ignore[arg-type]
 
-    assert agree([0, 1, 2, 3]) == dec.to_json()
+    assert agree([0, 1, 2, 3]) == dec
     with pytest.raises(ControlPlaneError, match="copy differs"):
         agree([0, 1, 7, 3])
     other = "rec/g0/r1/d"
@@ -308,7 +308,7 @@ def test_the_others_read_the_log_when_the_decider_dies_before_publishing() -> No
     dec = _same(ranks.decisions())
     # Rank 3 proposed, so it is in the decision: forming the group finds it missing and
     # starts another round, as before.
-    assert (dec["members"], dec["lost"]) == (list(range(7)), [7]), dec
+    assert (dec.members, dec.lost) == (tuple(range(7)), (7,)), dec
     # The first of them to read decides; the others may find its decision before reading.
     assert sum(ranks.log_reads().values()) >= 1, ranks.log_reads()
 
@@ -330,7 +330,7 @@ def test_the_others_decide_when_the_decider_never_publishes() -> None:
     cfg = ranks.rts[1].config
     bound = _timings.shrink_decider_wait(cfg)  # the late proposer's grace, two ticks and 1 s
     assert took >= bound, (took, bound)
-    assert (dec["members"], dec["lost"]) == ([0, 1, 2], [3]), dec
+    assert (dec.members, dec.lost) == ((0, 1, 2), (3,)), dec
     assert sum(ranks.log_reads().values()) >= 1, ranks.log_reads()
 
 
@@ -346,7 +346,7 @@ def test_a_claim_that_is_not_a_claim_makes_every_rank_decide() -> None:
     ranks.start()
     dec = _same(ranks.decisions())
     took = time.monotonic() - t0
-    assert (dec["members"], dec["lost"]) == ([0, 1, 2], [3]), dec
+    assert (dec.members, dec.lost) == ((0, 1, 2), (3,)), dec
     # Each rank that claimed read the log unless it found a decision first; none waited.
     reads, claims = ranks.log_reads(), ranks.claims()
     assert sum(reads.values()) >= 1, reads

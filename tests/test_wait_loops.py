@@ -19,7 +19,7 @@ import torch.distributed as dist
 from resilient_ddp import _clock, elastic
 from resilient_ddp import _control as ctl
 from resilient_ddp._clock import FakeClock
-from resilient_ddp._elastic_protocol import Proposal
+from resilient_ddp._elastic_protocol import Admission, Proposal
 from resilient_ddp.errors import RankFailureError
 
 from ._counting_store import CountingStore
@@ -246,7 +246,7 @@ def test_agree_reads_the_proposal_log_only_when_a_decision_may_be_due(clock: Fak
 
     clock.after(0.3, rank_2_proposes)  # in the 10th wait (ends at 303.9 ms)
     dec = elastic._agree(rt, el, "rec/g0/r0", [0, 1, 2], "reduce", True, (0, 3))  # type: ignore[arg-type]
-    assert (dec["members"], dec["outcome"]) == ([0, 1, 2], "redo"), dec
+    assert (dec.members, dec.outcome) == ((0, 1, 2), "redo"), dec
     assert clock.waits == pytest.approx(backoff_waits(10))
     # Rank 2 is not gone: no decision was due, the log unread. A poll: the decision (one
     # check) and the proposal count (compare_set); + its own proposal's count (then an add).
@@ -272,7 +272,7 @@ def test_agree_goes_on_without_a_dead_rank_once_the_others_proposed(clock: FakeC
     dec = elastic._agree(rt, el, "rec/g0/r0", [0, 1, 2, 3, 4], "reduce", True, (0, 5))  # type: ignore[arg-type]
     assert clock.waits == pytest.approx(backoff_waits(8))  # it waited for rank 3
     assert log_reads == [0]
-    assert (dec["members"], dec["lost"]) == ([0, 1, 2, 3], [4]), dec
+    assert (dec.members, dec.lost) == ((0, 1, 2, 3), (4,)), dec
 
 
 def test_agree_decides_from_the_log_when_a_count_lags_it(clock: FakeClock) -> None:
@@ -295,7 +295,7 @@ def test_agree_decides_from_the_log_when_a_count_lags_it(clock: FakeClock) -> No
     clock.after(0.4, rank_2_dies)
     dec = elastic._agree(rt, el, "rec/g0/r0", [0, 1, 2], "reduce", True, (0, 3))  # type: ignore[arg-type]
     assert clock.waits == pytest.approx(backoff_waits(12))
-    assert dec["members"] == [0, 1, 2], dec
+    assert dec.members == (0, 1, 2), dec
 
 
 # -- admissions ----------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_admission_result_reads_the_confirmations_once_all_counted(clock: FakeCl
     rt = _rt(store, 3)
     others = ctl.JobStore(base)
     others.post_has_state(7, 1)
-    adm = {"gen": 7, "members": [0, 1, 2]}
+    adm = Admission(at=5, joiners=(2,), gen=7, from_gen=6, members=(0, 1, 2))
     seen: list[tuple[int, int]] = []
 
     def rank_2_confirms() -> None:

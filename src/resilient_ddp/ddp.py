@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import _progress, _runtime, _timings, elastic
 from ._backend import nccl_version
+from ._elastic_protocol import ShrinkDecision
 from ._runtime import PendingOp, Runtime
 from .collectives import Op, all_gather_object, all_reduce, broadcast
 from .config import ResilienceConfig, resolve
@@ -704,7 +705,7 @@ class ResilientDDP(DistributedDataParallel):
                     raise
                 cause: RankFailureError = e
             dec = self._rd_recover(rt, "forward", False, cause)
-            if dec["outcome"] == "continue":
+            if dec.outcome == "continue":
                 continue  # this step goes on, on the new group
             # Discarded on every survivor: compute locally, the optimizer step is skipped.
             el.skip_step = True
@@ -713,7 +714,7 @@ class ResilientDDP(DistributedDataParallel):
 
     def _rd_recover(
         self, rt: Runtime, where: str, has_grads: bool, cause: RankFailureError
-    ) -> dict[str, Any]:
+    ) -> ShrinkDecision:
         """Run the elastic recovery with this model's state; the reducer is rebuilt at the
         next forward (never inside the backward pass that failed)."""
         dec = elastic.recover(
@@ -737,7 +738,7 @@ class ResilientDDP(DistributedDataParallel):
         has_grads = not self.gradient_as_bucket_view and self._rd_inner_hook is None
         while True:
             dec = self._rd_recover(rt, "reduce", has_grads, cause)
-            if dec["outcome"] != "redo":
+            if dec.outcome != "redo":
                 break
             try:
                 redone = [self._rd_redo(params) for _, params, _ in buckets]

@@ -51,7 +51,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -66,6 +66,7 @@ from ._elastic_protocol import ElasticParticipant
 from ._events import rank_log
 from ._guest import Guest
 from ._runtime import RECOVERY_PHASE, Runtime, phase
+from .config import ResilienceConfig
 from .errors import ControlPlaneError, RankFailureError, ResilientDDPError
 
 __all__ = ["ElasticParticipant", "register_elastic_participant"]
@@ -106,7 +107,7 @@ class Elastic:
     ack_lock: threading.Lock = field(default_factory=threading.Lock)
     first_ack_t: float = 0.0  # time.time() of that first acknowledgement
     acks_seen: set[int] = field(default_factory=set)  # request counts acked this generation
-    grow: dict[str, Any] | None = None  # the admission decision for this generation
+    grow: proto.Admission | None = None  # the admission decision for this generation
     received: dict[str, Any] | None = None  # joiner: state received at admission
     pending_optim: list[Any] | None = None  # optimizer states to load at the next step
     optimizers: list[weakref.ReferenceType[Any]] = field(default_factory=list)
@@ -370,12 +371,13 @@ def recover(
     cause: BaseException,
     snapshot: Callable[[], dict[str, Any]],
     load: Callable[[dict[str, Any]], None],
-) -> dict[str, Any]:
+) -> proto.ShrinkDecision:
     """Agree on the next generation with the other survivors, form it, and make every
     survivor's state identical. Blocks at most a few ``op_timeout``.
 
     Returns:
-        The decision (``outcome`` is ``"redo"``, ``"continue"`` or ``"skip"``).
+        The decision followed (never a failed one: ``outcome`` is ``"redo"``,
+        ``"continue"`` or ``"skip"``).
 
     Raises:
         RankFailureError: Too few survivors, a minority, this rank was removed from the
@@ -394,8 +396,7 @@ def recover(
     # A failed admission is recovered by the members of the generation it started from:
     # the joiners were never part of the job (they wait for another admission).
     gen_from = getattr(cause, "gen_from", rt.generation)
-    world = getattr(cause, "world_from", rt.world_size)
-    before = {"generation": gen_from, "world_size": world}
+    world_before = world = getattr(cause, "world_from", rt.world_size)
     # The watchdog's record, or else what the failed op itself found.
     first_culprits = _culprits(rt) or list(getattr(cause, "culprits", None) or [])
     round_, candidates = 0, list(range(world))
@@ -413,36 +414,39 @@ def recover(
         dec = _agree(
             rt, el, f"rec/g{gen_from}/r{round_}", candidates, where, has_grads, (gen_from, world)
         )
-        if dec.get("fail"):
+        if dec.fail:
             rt.mark_raised()
-            _mark_ended(rt.control_root, el, dec["fail"])
+            _mark_ended(rt.control_root, el, dec.fail)
             raise rt.notify_failure(
                 RankFailureError(
-                    dec["fail"] + "".join("\n" + c.describe() for c in first_culprits),
+                    dec.fail + "".join("\n" + c.describe() for c in first_culprits),
                     culprits=first_culprits,
                     generation=rt.generation,
                 )
             ) from cause
-        if el.uid not in dec["members"]:
+        # One that did not fail names both (ShrinkDecision.from_record).
+        assert dec.gen is not None
+        assert dec.source is not None
+        if el.uid not in dec.members:
             rt.mark_raised()
             raise rt.notify_failure(
                 RankFailureError(
                     f"rank {rt.rank} (member {el.uid}) was removed from the group: the others "
-                    f"formed generation {dec['gen']} without it (it did not answer in time)",
+                    f"formed generation {dec.gen} without it (it did not answer in time)",
                     generation=rt.generation,
                 )
             ) from cause
         try:
-            _form(rt, el, dec["gen"], dec["members"], dec.get("old_ranks"))
+            _form(rt, el, dec.gen, dec.members, dec.old_ranks)
         except RankFailureError as e:
-            rank_log.of(rt).warning("forming generation %d failed: %s", dec["gen"], e)
-            _abandon(el, dec["gen"], len(dec["members"]))
+            rank_log.of(rt).warning("forming generation %d failed: %s", dec.gen, e)
+            _abandon(el, dec.gen, len(dec.members))
             round_ += 1
-            candidates = list(dec["old_ranks"])
+            candidates = list(dec.old_ranks)
             continue
         try:
-            if dec["sync"]:
-                _send_state(rt, dec["source"], snapshot, load)
+            if dec.sync:
+                _send_state(rt, dec.source, snapshot, load)
         except RankFailureError as e:
             # The source (or another member) failed while sending: start over from the
             # generation just formed.
@@ -456,21 +460,23 @@ def recover(
     rt.clear_raised(notify_again=True)  # the next failure calls the listeners again
     # Only the ranks the group lost: a timeout can also name a rank that merely gave up
     # first (it was recovering already, and is still a member).
-    lost = [c for c in first_culprits if c.rank in dec["lost"]]
-    _record_shrink(rt, el, dec, lost, before, _clock.monotonic() - t0)
+    lost = [c for c in first_culprits if c.rank in dec.lost]
+    _record_shrink(rt, el, dec, lost, world_before, _clock.monotonic() - t0)
     return dec
 
 
 def _record_shrink(
     rt: Runtime,
     el: Elastic,
-    dec: dict[str, Any],
+    dec: proto.ShrinkDecision,
     culprits: list[Any],
-    before: dict[str, int],
+    world_before: int,
     took: float,
 ) -> None:
-    """Count, record and log (one line) a completed shrink."""
-    outcome = dec["outcome"]
+    """Count, record and log (one line) a completed shrink (``world_before`` ranks
+    before it)."""
+    outcome = dec.outcome
+    assert outcome is not None  # a decision followed, not a failed one
     if outcome == "redo":
         el.redone += 1
     elif outcome == "skip":
@@ -482,16 +488,16 @@ def _record_shrink(
             {"rank": c.rank, "host": c.host, "what": c.what, "phase": c.phase} for c in culprits
         ],
         "generation": rt.generation,
-        "world_size_before": before["world_size"],
+        "world_size_before": world_before,
         "world_size": rt.world_size,
         "step": el.committed,
         "outcome": outcome,
-        "state_from": dec["source"] if dec["sync"] else None,
+        "state_from": dec.source if dec.sync else None,
         "recovery_s": round(took, 4),
     }
     el.events.append(event)
     _events.record(rt, "shrink", **{k: v for k, v in event.items() if k not in ("t", "kind")})
-    el.note_world(rt, "shrink", before=before["world_size"])
+    el.note_world(rt, "shrink", before=world_before)
     who = ", ".join(f"rank {c.rank} ({c.what})" for c in culprits) or "a peer"
     log.warning(
         "resilient_ddp: %s failed at step %d; going on with %d rank(s) (was %d) as "
@@ -499,7 +505,7 @@ def _record_shrink(
         who,
         el.committed,
         rt.world_size,
-        before["world_size"],
+        world_before,
         rt.generation,
         rt.rank,
         {"redo": "redone over the survivors", "skip": "skipped", "continue": "kept"}[outcome],
@@ -567,7 +573,7 @@ def _agree(
     where: str,
     has_grads: bool,
     basis: tuple[int, int],
-) -> dict[str, Any]:
+) -> proto.ShrinkDecision:
     """Post this rank's proposal for shrink round ``base`` and return the round's decision.
 
     Every survivor waits, reading the decision and the proposal count (one key each) a
@@ -597,9 +603,8 @@ def _agree(
     intervals) when the deadline decides.
 
     Returns:
-        The decision (:meth:`ShrinkDecision.to_json
-        <._elastic_protocol.ShrinkDecision.to_json>`: the members and their old ranks in
-        full, derived here).
+        The decision, with the members and their old ranks in full, derived here
+        (:meth:`ShrinkDecision.from_record <._elastic_protocol.ShrinkDecision.from_record>`).
 
     Raises:
         ControlPlaneError: The store is unreachable, holds garbage in every decision
@@ -650,10 +655,9 @@ def _agree(
     return _follow(decided, taken, members)
 
 
-def _follow(key: str, record: dict[str, Any], members: list[int]) -> dict[str, Any]:
-    """The full decision (:meth:`ShrinkDecision.to_json
-    <._elastic_protocol.ShrinkDecision.to_json>`) of the compact ``record`` taken under
-    ``key``, derived from ``members`` (this rank's copy of the generation's member list).
+def _follow(key: str, record: dict[str, Any], members: list[int]) -> proto.ShrinkDecision:
+    """The full decision of the compact ``record`` taken under ``key``, derived from
+    ``members`` (this rank's copy of the generation's member list).
 
     Raises:
         ControlPlaneError: The record (its MAC valid, or the job has no secret) is not a
@@ -663,7 +667,7 @@ def _follow(key: str, record: dict[str, Any], members: list[int]) -> dict[str, A
             they form the group, start another round without it).
     """
     try:
-        return proto.ShrinkDecision.from_record(record, members).to_json()
+        return proto.ShrinkDecision.from_record(record, members)
     except ValueError as e:
         raise ControlPlaneError(
             f"the shrink decision under {key!r} in the control-plane store cannot be followed: {e}"
@@ -828,8 +832,8 @@ def _form(
     rt: Runtime,
     el: Elastic,
     gen: int,
-    members: list[int],
-    old_ranks: list[int] | None,
+    members: Sequence[int],
+    old_ranks: Sequence[int] | None,
 ) -> None:
     """Form generation ``gen`` with ``members`` (ids by new rank); bounded.
 
@@ -924,7 +928,7 @@ def _forget(rt: Runtime, generations: list[tuple[int, int, set[int]]]) -> None:
         rank_log.of(rt).info("could not delete old generations' keys: %s", e)
 
 
-def _rebuild(rt: Runtime, gen: int, rank: int, members: list[int]) -> None:
+def _rebuild(rt: Runtime, gen: int, rank: int, members: Sequence[int]) -> None:
     from .membership import rebuild
 
     timeout_s = _timings.rendezvous_form_timeout(rt.config)
@@ -1012,44 +1016,44 @@ def maybe_admit(
     if el.grow is None and not _grow_decision(rt, el):
         return False
     assert el.grow is not None
-    if el.committed < int(el.grow["at"]):
+    if el.committed < el.grow.at:
         return False
     grow = el.grow
     t0 = _clock.monotonic()
     before, gen_from = rt.world_size, rt.generation
-    saved = [(s, s.on_admission(grow["joiners"])) for s in el.live_samplers()]
+    saved = [(s, s.on_admission(list(grow.joiners))) for s in el.live_samplers()]
     error: RankFailureError | None = None
     try:
-        _form(rt, el, grow["gen"], grow["members"], list(range(before)))
+        _form(rt, el, grow.gen, grow.members, range(before))
         with phase(TRANSFER_PHASE):
             _send_state(rt, 0, snapshot, to=list(range(before, rt.world_size)))
     except RankFailureError as e:
         error = e
-    if not _admission_result(rt, grow, grow["members"].index(el.uid), ok=error is None):
-        gen = grow["gen"]
-        if grow["members"].index(el.uid) == 0 and jobs.ready(gen, range(before)):
+    if not _admission_result(rt, grow, grow.rank_of(el.uid), ok=error is None):
+        gen = grow.gen
+        if grow.rank_of(el.uid) == 0 and jobs.ready(gen, range(before)):
             # Every member arrived but a joiner did not (it died, hangs or came too
             # late): it is blamed, so that a dead one is not admitted again and again.
-            for i, uid in enumerate(grow["joiners"]):
+            for i, uid in enumerate(grow.joiners):
                 if not jobs.ready(gen, [before + i]):
                     jobs.add_join_try(uid)
         el.grow = None
-        _abandon(el, gen, len(grow["members"]))
+        _abandon(el, gen, len(grow.members))
         for s, undo in saved:
             s.on_admission_failed(undo)
         error = error or RankFailureError(
-            f"the admission to generation {grow['gen']} failed on another rank",
+            f"the admission to generation {grow.gen} failed on another rank",
             generation=rt.generation,
         )
         rank_log.of(rt).warning(
             "admission of %s failed (%s); going on without them",
-            grow["joiners"],
+            list(grow.joiners),
             error,
         )
         raise _AdmissionError(error, gen_from, before) from error
     # Never a pending joiner again; any member may be the next to read the requests, so
     # each marks it.
-    for uid in grow["joiners"]:
+    for uid in grow.joiners:
         jobs.mark_admitted(uid)
     _publish_members(rt, gen_from, before)
     if jobs.join_count() > el.joins_seen:
@@ -1058,7 +1062,7 @@ def maybe_admit(
         _stop_looking(rt, el)
     took = _clock.monotonic() - t0
     fields = {
-        "joiners": grow["joiners"],
+        "joiners": list(grow.joiners),
         "world_size_before": before,
         "world_size": rt.world_size,
         "step": el.committed,
@@ -1073,7 +1077,7 @@ def maybe_admit(
     log.warning(
         "resilient_ddp: %d process(es) joined at step %d; %d rank(s) now (was %d), "
         "generation %d; admitted in %.2f s",
-        len(grow["joiners"]),
+        len(grow.joiners),
         el.committed,
         rt.world_size,
         before,
@@ -1083,12 +1087,13 @@ def maybe_admit(
     return True
 
 
-def _admission_result(rt: Runtime, adm: dict[str, Any], rank: int, *, ok: bool) -> bool:
+def _admission_result(rt: Runtime, adm: proto.Admission, rank: int, *, ok: bool) -> bool:
     """Whether admission ``adm`` succeeded everywhere: every member and joiner formed the
-    group and has the state. Decided once (``compare_set``), so that all act alike; a
-    rank that does not confirm within the form timeout fails it. Bounded."""
+    group and has the state (this process is ``rank`` of its generation). Decided once
+    (``compare_set``), so that all act alike; a rank that does not confirm within the form
+    timeout fails it. Bounded."""
     jobs = _jobs(rt.control_root)
-    gen, world = int(adm["gen"]), len(adm["members"])
+    gen, world = adm.gen, len(adm.members)
     result = f"adm/g{gen}/result"
     if ok:
         jobs.post_has_state(gen, rank)
@@ -1299,10 +1304,9 @@ def _decide(rt: Runtime, el: Elastic, jobs: ctl.JobStore, key: str, bound: int) 
     return True
 
 
-def _admission(key: str, record: dict[str, Any], members: list[int]) -> dict[str, Any]:
-    """The full admission (:meth:`Admission.to_json
-    <._elastic_protocol.Admission.to_json>`) of the compact ``record`` taken under ``key``,
-    derived from ``members`` (this member's copy of the generation's member list).
+def _admission(key: str, record: dict[str, Any], members: list[int]) -> proto.Admission:
+    """The full admission of the compact ``record`` taken under ``key``, derived from
+    ``members`` (this member's copy of the generation's member list).
 
     Raises:
         ControlPlaneError: The record (its MAC valid, or the job has no secret) is not an
@@ -1310,7 +1314,7 @@ def _admission(key: str, record: dict[str, Any], members: list[int]) -> dict[str
             digest does not match the members derived here.
     """
     try:
-        return proto.Admission.from_record(record, members).to_json()
+        return proto.Admission.from_record(record, members)
     except ValueError as e:
         raise ControlPlaneError(
             f"the admission under {key!r} in the control-plane store cannot be followed: {e}"
@@ -1372,7 +1376,7 @@ class _Asked:
 
 @_typed_store_errors("joining")
 def join(
-    backend: str | None, cfg: Any, timeout: timedelta
+    backend: str | None, cfg: ResilienceConfig, timeout: timedelta
 ) -> tuple[Runtime, dict[str, Any]] | Guest:
     """Joiner side (``RESILIENT_DDP_JOINER=1``): ask to join the running job, wait until
     the members admit this process, form the group with them and receive the state.
@@ -1430,14 +1434,15 @@ def join(
                 "recipe in the elastic training docs)",
                 problems=["joiner not admitted"],
             )
-        adm = jobs.admission_for(uid)
-        if adm is None or adm["gen"] == tried_gen:
+        record = jobs.admission_for(uid)
+        if record is None or record["gen"] == tried_gen:
             _clock.sleep(0.01)
             continue
-        tried_gen = adm["gen"]
+        tried_gen = record["gen"]
+        adm, rank = _admission_of_joiner(uid, record)
         if not _await_members(jobs, adm, deadline, uid):
             continue  # the members went another way (a failure among them)
-        rt, state, error = _admit(root, uid, adm, backend, cfg)
+        rt, state, error = _admit(root, uid, adm, rank, backend, cfg)
         if rt is not None:
             rt.elastic_state().events.append(
                 {
@@ -1464,7 +1469,7 @@ def join(
 
 
 def _inference_to_help(
-    jobs: ctl.JobStore, root: dist.Store, uid: int, backend: str | None, cfg: Any
+    jobs: ctl.JobStore, root: dist.Store, uid: int, backend: str | None, cfg: ResilienceConfig
 ) -> Guest | None:
     """The running inference call this joiner can help with (see :func:`join`), or None.
 
@@ -1508,10 +1513,32 @@ def _inference_to_help(
     )
 
 
+def _admission_of_joiner(uid: int, record: dict[str, Any]) -> tuple[proto.Admission, int]:
+    """The admission in joiner ``uid``'s record (``join/adm/<uid>``: :meth:`Admission.to_json
+    <._elastic_protocol.Admission.to_json>` with the joiner's ``rank`` added), and that rank.
+
+    Raises:
+        ControlPlaneError: The record (its MAC valid, or the job has no secret) is not an
+            admission: a key is missing or of the wrong type.
+    """
+    try:
+        return proto.Admission.from_json(record), int(record["rank"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ControlPlaneError(
+            f"the admission of joiner {uid} in the control-plane store is not valid: {e}"
+        ) from None
+
+
 def _admit(
-    root: dist.Store, uid: int, adm: dict[str, Any], backend: str | None, cfg: Any
+    root: dist.Store,
+    uid: int,
+    adm: proto.Admission,
+    rank: int,
+    backend: str | None,
+    cfg: ResilienceConfig,
 ) -> tuple[Runtime | None, dict[str, Any], BaseException | None]:
-    """Form the admission's generation with the members and receive the state.
+    """Form the admission's generation with the members (as ``rank``) and receive the
+    state.
 
     Returns:
         ``(runtime, state, None)`` when admitted; ``(None, {}, error)`` when the admission
@@ -1520,8 +1547,8 @@ def _admit(
     from . import _runtime
     from .checkpoint import send_state_dict
 
-    gen, rank, members = int(adm["gen"]), int(adm["rank"]), list(adm["members"])
-    n_old = len(members) - len(adm["joiners"])
+    gen, members = adm.gen, list(adm.members)
+    n_old = adm.old_world
     rt = Runtime(
         rank=rank,
         world_size=len(members),
@@ -1532,7 +1559,7 @@ def _admit(
     )
     # The members admit at the first forward with ``at`` steps committed: its watchdog may
     # acknowledge requests before the state (which says the same) arrives.
-    el = Elastic(uid=uid, members=members, committed=int(adm["at"]))
+    el = Elastic(uid=uid, members=members, committed=adm.at)
     rt.start_elastic(el)
     _jobs(root).post_ready(gen, rank)
     error: BaseException | None = None
@@ -1569,17 +1596,17 @@ def _admit(
     return None, {}, None
 
 
-def _await_members(jobs: ctl.JobStore, adm: dict[str, Any], deadline: float, uid: int) -> bool:
+def _await_members(jobs: ctl.JobStore, adm: proto.Admission, deadline: float, uid: int) -> bool:
     """Wait until every member of the admission reached its step (they post "ready" then).
 
     Returns:
         False if the members abandoned it (the job moved to another generation).
     """
-    gen, n_old = int(adm["gen"]), len(adm["members"]) - len(adm["joiners"])
+    gen, n_old = adm.gen, adm.old_world
     arrived = _Tally(functools.partial(jobs.ready_count, gen))
     # A poll: the arrival count, the end of the job (one, or more if garbage), the
     # generation (two); the joiners poll, not the members.
-    poll = ctl.Backoff(len(adm["joiners"]), 4)
+    poll = ctl.Backoff(len(adm.joiners), 4)
     while True:
         # The members' flags are read when the count says they may all be there (the
         # joiners count too, once they arrive: after this).
@@ -1593,7 +1620,7 @@ def _await_members(jobs: ctl.JobStore, adm: dict[str, Any], deadline: float, uid
         # Generation numbers only grow: a newer one than the admission's base means the
         # members recovered from a failure instead of reaching the admission step.
         current = jobs.generation()
-        if current > int(adm["from"]) and current != gen:
+        if current > adm.from_gen and current != gen:
             return False
         poll.sleep(deadline)
 
