@@ -280,9 +280,7 @@ def _report(rts: dict[int, Any], counts: _Counts, detected: dict[int, float]) ->
         "beats": sum(rt.watchdog._beat for rt in rts.values()),
         "detected": dict(detected),
         "first_report": {
-            r: min(float(ev.get("t", 0)) for ev in rt.failures)
-            for r, rt in rts.items()
-            if rt.failures
+            r: min(ev.t for ev in rt.failures) for r, rt in rts.items() if rt.failures
         },
         "threads": threading.active_count(),
         # The first report naming each failed rank, on any rank of this process.
@@ -291,11 +289,13 @@ def _report(rts: dict[int, Any], counts: _Counts, detected: dict[int, float]) ->
 
 
 def _first_reports(rts: dict[int, Any]) -> dict[int, float]:
+    from resilient_ddp import _control as ctl
+
     first: dict[int, float] = {}
     for rt in rts.values():
         for ev in list(rt.failures):
-            r, t = ev.get("rank"), float(ev.get("t", 0))
-            if isinstance(r, int) and (r not in first or t < first[r]):
+            r, t = ev.rank, ev.t
+            if ev.kind != ctl.EV_TIMEOUT and (r not in first or t < first[r]):
                 first[r] = t
     return first
 
@@ -370,6 +370,7 @@ def _shrink(
 
     from resilient_ddp import _control as ctl
     from resilient_ddp import elastic
+    from resilient_ddp.errors import Culprit
 
     victim, excluded = int(arg["victim"]), set(arg["excluded"])
     candidates = [r for r in range(world) if r not in excluded]
@@ -403,7 +404,7 @@ def _shrink(
         rt, failed = rts[r], threading.Event()
 
         def listener(rt: Any = rt, failed: threading.Event = failed) -> None:
-            if any(ev.get("rank") == victim for ev in list(rt.failures)):
+            if any(ev.rank == victim for ev in list(rt.failures)):
                 failed.set()
 
         listeners[r] = listener
@@ -424,8 +425,8 @@ def _shrink(
         control = rts[peer].control
         t_report = time.time()
         if control.claim(victim):
-            culprit = ctl.culprit_from(
-                victim, what="died (simulated kill)", info=rts[peer].infos.get(victim)
+            culprit = Culprit.record(
+                victim, "died (simulated kill)", info=rts[peer].infos.get(victim)
             )
             event = {"kind": ctl.EV_CRASH, "rank": victim, "reporter": peer, "gen": 0}
             control.post_events([{**event, "t": t_report, "culprit": culprit}])

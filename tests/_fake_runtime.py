@@ -8,6 +8,9 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
+from resilient_ddp import _control as ctl
+from resilient_ddp.errors import Culprit
+
 # A fresh Backoff of few ranks waits, by hand from POLL_FIRST_S = 5 ms growing by
 # POLL_GROWTH = 1.5 a poll to POLL_MAX_S = 50 ms: 5, 7.5, 11.25, 16.875, 25.3125 and
 # 37.96875 ms (103.90625 ms in all), then 50 ms each (test_wait_loops checks the constants).
@@ -44,6 +47,6 @@ def fake_runtime(
         control_root=root,
         watchdog=None,
         lock=threading.RLock(),
-        failures=[{"kind": "crash", "rank": r} for r in dead],
+        failures=[ctl.FailureEvent(ctl.EV_CRASH, 0, rank=r, culprit=Culprit(r)) for r in dead],
         left={},
     )

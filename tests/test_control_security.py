@@ -46,7 +46,14 @@ def one_rank_group(no_secret: None) -> Iterator[dist.Store]:
 
 
 def _event(rank: int, t: float = 1.0) -> dict[str, object]:
-    return {"kind": ctl.EV_CRASH, "rank": rank, "reporter": 0, "gen": 0, "t": t, "culprit": {}}
+    return {
+        "kind": ctl.EV_CRASH,
+        "rank": rank,
+        "reporter": 0,
+        "gen": 0,
+        "t": t,
+        "culprit": {"rank": rank},
+    }
 
 
 # -- 1. sealed by default --------------------------------------------------------------------
@@ -95,7 +102,7 @@ def test_an_outsider_writing_under_the_visible_names_changes_nothing(no_secret: 
     cp.post_event(_event(2))  # the real report of rank 2's death
     n, diag, states, _ = cp.poll([2])
     assert (n, diag, list(states)) == (1, 0, [2])
-    assert [e["rank"] for e in cp.read_events()] == [2]
+    assert [e.rank for e in cp.read_events()] == [2]
 
 
 # -- secret file -----------------------------------------------------------------------------
@@ -217,7 +224,7 @@ def test_garbage_in_the_event_counter_neither_hides_a_failure_nor_loses_the_stor
         assert reporter.claim(2)  # no ControlPlaneError: the store answers
         reporter.post_event(_event(2))
         assert watcher.poll([])[0] not in seen
-        assert [e["rank"] for e in watcher.read_events()] == [2]
+        assert [e.rank for e in watcher.read_events()] == [2]
         assert ctl.rejected_records().get("ev/n", 0) >= 3
     finally:
         del server
@@ -243,7 +250,7 @@ def test_a_64_mib_junk_log_is_parsed_in_bounded_pieces() -> None:
         if events and cp.poll([])[0] == n:
             break
         assert reads < 200
-    assert [e["rank"] for e in events] == [2]
+    assert [e.rank for e in events] == [2]
     assert reads >= len(junk) // ctl.MAX_LOG_PARSE
     assert slowest < 1.0, slowest  # one piece, not the whole log
 

@@ -8,6 +8,7 @@ from typing import TypeVar
 import pytest
 
 import resilient_ddp as rd
+from resilient_ddp.errors import error_head, failure_message
 
 T = TypeVar("T")
 
@@ -101,3 +102,50 @@ def test_a_lost_store_in_the_elastic_protocol_is_a_control_plane_error() -> None
     with pytest.raises(rd.ControlPlaneError, match="during elastic recovery") as info:
         step()
     assert isinstance(info.value.__cause__, dist.DistNetworkError)
+
+
+def test_a_culprit_is_built_from_what_the_caller_has() -> None:
+    info = {"host": "h2", "pid": 42, "boot": "b"}
+    state = {"op": "all_reduce", "seq": 7, "step": 3, "phase": "backward", "section": "s"}
+    # The JSON form (what goes on the store) keeps extra keys; the culprit drops them.
+    record = rd.Culprit.record(2, "hangs", info=info, state=state, blame="LATE")
+    assert record == {
+        "rank": 2,
+        "host": "h2",
+        "pid": 42,
+        "what": "hangs",
+        "op": "all_reduce",
+        "seq": 7,
+        "step": 3,
+        "phase": "backward",
+        "section": "s",
+        "blame": "LATE",
+    }
+    c = rd.Culprit.of(2, "hangs", info=info, state=state, blame="LATE")
+    assert c == rd.Culprit.from_record(record)
+    assert c == rd.Culprit(2, "h2", 42, "hangs", "all_reduce", 7, 3, "backward", "s")
+    # Fields given override the state's; nothing known reads as the defaults.
+    assert rd.Culprit.of(2, "x", state=state, step=9).step == 9
+    assert rd.Culprit.of(2, "x") == rd.Culprit(2, what="x")
+    # A state's wall-clock time gives its age.
+    assert rd.Culprit.of(2, "x", state={"t": 0.0}).state_age is not None
+
+
+def test_error_heads_say_op_seq_rank_and_where() -> None:
+    assert (
+        error_head("all_reduce", 1, seq=3, generation=2) == "all_reduce#3 on rank 1 (generation 2)"
+    )
+    assert error_head("all_reduce", 1, seq=3, host="h") == "all_reduce#3 on rank 1 (host h)"
+    assert error_head("load_and_broadcast", 0, generation=0) == (
+        "load_and_broadcast on rank 0 (generation 0)"
+    )
+    assert error_head("distributed_inference", 4) == "distributed_inference on rank 4"
+
+
+def test_a_failure_message_names_its_culprits_or_says_none_was_found() -> None:
+    c = _culprit()
+    assert failure_message("h", [c]) == f"h; culprit rank(s): 2\n{c.describe()}"
+    assert failure_message("h", [c, c], named="failed").startswith("h; failed rank(s): 2, 2\n")
+    assert failure_message("h", []) == (
+        "h; every rank arrived but the data plane did not complete the op (network?)"
+    )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from resilient_ddp import _control as ctl
 from resilient_ddp import _timings, elastic
 from resilient_ddp._elastic_protocol import Proposal, ShrinkDecision
-from resilient_ddp.errors import ControlPlaneError
+from resilient_ddp.errors import ControlPlaneError, Culprit
 
 from ._counting_store import CountingStore
 from ._fake_runtime import fake_runtime as protocol_rt
@@ -304,7 +304,7 @@ def test_the_others_read_the_log_when_the_decider_dies_before_publishing() -> No
     assert sum(ranks.log_reads().values()) == 0, ranks.log_reads()
     for rt in ranks.rts.values():
         with rt.lock:
-            rt.failures.append({"kind": "crash", "rank": 3})
+            rt.failures.append(ctl.FailureEvent(ctl.EV_CRASH, 0, rank=3, culprit=Culprit(3)))
     dec = _same(ranks.decisions())
     # Rank 3 proposed, so it is in the decision: forming the group finds it missing and
     # starts another round, as before.

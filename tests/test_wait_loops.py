@@ -20,7 +20,7 @@ from resilient_ddp import _clock, elastic
 from resilient_ddp import _control as ctl
 from resilient_ddp._clock import FakeClock
 from resilient_ddp._elastic_protocol import Admission, Proposal
-from resilient_ddp.errors import RankFailureError
+from resilient_ddp.errors import Culprit, RankFailureError
 
 from ._counting_store import CountingStore
 from ._fake_runtime import RAMP, backoff_waits
@@ -208,7 +208,7 @@ def test_form_looks_at_a_dead_member_that_arrived_once(
 
     def another_dies() -> None:  # arrived, then died
         looks.append(flag_reads(1))
-        rt.failures.append({"kind": "exception", "rank": 2})
+        rt.failures.append(ctl.FailureEvent(ctl.EV_EXCEPTION, 2, rank=2, culprit=Culprit(2)))
 
     # Rank 2 dies in the 8th wait (ends at 203.9 ms): a change, so the waits start again
     # from 5 ms; rank 3 arrives in the 8th wait after that (ends at 407.8 ms).
@@ -287,7 +287,7 @@ def test_agree_decides_from_the_log_when_a_count_lags_it(clock: FakeClock) -> No
 
     def rank_2_dies() -> None:
         with rt.lock:
-            rt.failures.append({"kind": "crash", "rank": 2})
+            rt.failures.append(ctl.FailureEvent(ctl.EV_CRASH, 0, rank=2, culprit=Culprit(2)))
 
     # Its line alone (no count) changes nothing the loop looks at: no reset. It is known
     # dead in the 12th wait (ends at 403.9 ms).

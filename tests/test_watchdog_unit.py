@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from resilient_ddp import _control as ctl
 from resilient_ddp import _runtime, watchdog
+from resilient_ddp._control import event_problem
 from resilient_ddp._runtime import PendingOp, Runtime
 from resilient_ddp.config import ResilienceConfig
-from resilient_ddp.errors import ControlPlaneError, RankFailureError
-from resilient_ddp.watchdog import Watchdog, event_problem, watch_targets
+from resilient_ddp.errors import ControlPlaneError, Culprit, RankFailureError
+from resilient_ddp.watchdog import Watchdog, watch_targets
 
 _JOIN_S = 30.0  # deadline for a watchdog thread that must end by itself (ends in < 1 s)
 
@@ -89,7 +90,7 @@ def _crash(rank: int, reporter: int) -> dict[str, Any]:
         "reporter": reporter,
         "gen": 0,
         "t": time.time(),
-        "culprit": ctl.culprit_from(rank, what="died (process 1 is gone)"),
+        "culprit": Culprit.record(rank, "died (process 1 is gone)"),
     }
 
 
@@ -141,9 +142,11 @@ def test_consecutive_errors_stop_the_watchdog_and_the_main_thread_gets_a_typed_e
 
     # The peers are told which rank failed and why.
     events = other.read_events()
-    assert [(e["kind"], e["rank"]) for e in events] == [(ctl.EV_EXCEPTION, 0)]
-    assert "stopped its watchdog" in events[0]["culprit"]["what"]
-    assert events[0]["culprit"]["exc_type"] == "ZeroDivisionError"
+    assert [(e.kind, e.rank) for e in events] == [(ctl.EV_EXCEPTION, 0)]
+    culprit = events[0].culprit
+    assert culprit is not None
+    assert "stopped its watchdog" in culprit.what
+    assert culprit.exc_type == "ZeroDivisionError"
 
 
 def test_transient_errors_that_recover_never_stop_the_watchdog(
@@ -210,9 +213,10 @@ def test_a_lost_store_is_still_told_as_a_lost_store(
 
 # -- records another process wrote ------------------------------------------------------------
 def test_malformed_events_are_skipped_and_later_events_still_arrive(
-    store: dist.Store, caplog: pytest.LogCaptureFixture
+    store: dist.Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.WARNING, logger="resilient_ddp")
+    monkeypatch.setattr(ctl, "_rejected", {})  # counted (and logged) from here
     rt, wd, other = _runtime_for(store)
     append = getattr(other.store, "append")  # noqa: B009 - missing from torch's stubs
     wd.tick()
@@ -229,17 +233,20 @@ def test_malformed_events_are_skipped_and_later_events_still_arrive(
     append("ev/log", '{"kind":"timeout","reporter":1,"op":"x","seq":"y","waited":1}\n')
     other.store.add("ev/n", 1)
     wd.tick()
-    assert [(e["kind"], e["rank"]) for e in rt.failures] == [(ctl.EV_CRASH, 1)]
+    assert [(e.kind, e.rank) for e in rt.failures] == [(ctl.EV_CRASH, 1)]
     assert p.event.is_set(), "the op in flight was not failed"
     err = rt.build_error(p.name, p.seq)
     assert isinstance(err, RankFailureError)
     assert err.ranks == (1,)
 
-    # Later valid events keep arriving; each kind of malformed record is logged once.
+    # Later valid events keep arriving. The five malformed lines (not JSON, no reporter,
+    # not an object, no culprit, a seq that is not a number) were dropped as they were
+    # read, each counted, and logged once.
     other.post_events([{**_crash(1, reporter=1), "kind": ctl.EV_LEFT, "final_seq": 0}])
     wd.tick()
     assert 1 in rt.left
-    assert len(_messages(caplog, "malformed event")) == 1
+    assert ctl.rejected_records() == {"ev/log": 5}
+    assert len(_messages(caplog, "ignored a record under 'g0/ev/log'")) == 1
     assert wd.consecutive_errors == 0
 
 
@@ -265,7 +272,7 @@ def test_malformed_states_are_skipped_and_a_silent_rank_is_still_found(
     other.store.set("state/1", "garbage")
     wd.tick()  # posts the report
     wd.tick()  # reads it back
-    assert [(e["kind"], e["rank"]) for e in rt.failures] == [(ctl.EV_UNRESPONSIVE, 1)]
+    assert [(e.kind, e.rank) for e in rt.failures] == [(ctl.EV_UNRESPONSIVE, 1)]
 
 
 _CRASH = {"kind": "crash", "rank": 1, "reporter": 0}
@@ -295,12 +302,48 @@ def test_event_problem_names_what_is_wrong(event: Any, problem: str) -> None:
 
 
 def test_event_problem_accepts_what_the_library_posts() -> None:
-    culprit = ctl.culprit_from(1, what="x", state={"seq": 3, "step": 2, "t": time.time()})
+    culprit = Culprit.record(1, "x", state={"seq": 3, "step": 2, "t": time.time()})
     assert event_problem(_crash(1, reporter=0)) == ""
     timeout = {"kind": "timeout", "reporter": 0, "op": "all_reduce", "seq": 4, "waited": 2.5}
     assert event_problem({**timeout, "culprits": [culprit], "cls": "timeout"}) == ""
     left = {"kind": "left", "rank": 1, "reporter": 1, "final_seq": 3, "culprit": culprit}
     assert event_problem({**left, "secondary": False}) == ""
+
+
+def test_an_event_is_decoded_into_the_fields_its_readers_use() -> None:
+    culprit = Culprit.record(1, "x", state={"seq": 3, "step": 2}, blame="NEVER_ARRIVED")
+    timeout = {"kind": "timeout", "reporter": 0, "op": "all_reduce", "seq": 4, "waited": 2}
+    ev = ctl.FailureEvent.decode({**timeout, "culprits": [culprit], "gen": 2, "t": 5})
+    # A diagnosis's own keys (blame) stay on the wire: the culprit keeps its fields.
+    assert ev == ctl.FailureEvent(
+        "timeout",
+        0,
+        culprits=(Culprit(1, what="x", seq=3, step=2),),
+        op="all_reduce",
+        seq=4,
+        waited=2.0,
+        gen=2,
+        t=5.0,
+    )
+    assert ev.ranks == (1,)
+    left = {"kind": "left", "rank": 1, "reporter": 1, "final_seq": 3, "culprit": culprit}
+    ev = ctl.FailureEvent.decode({**left, "secondary": True})
+    assert (ev.rank, ev.ranks, ev.final_seq, ev.secondary) == (1, (1,), 3, True)
+    assert ev.culprit == Culprit(1, what="x", seq=3, step=2)
+    assert (ev.gen, ev.t, ev.cls, ev.seq) == (-1, 0.0, "timeout", -1)  # not said: defaults
+    with pytest.raises(ValueError, match="no 'culprit'"):
+        ctl.FailureEvent.decode(_CRASH)
+
+
+def test_the_log_is_read_as_typed_events_and_what_the_library_posts_is_kept() -> None:
+    poster = ctl.ControlPlane(dist.HashStore(), 0)
+    reader = ctl.ControlPlane(poster.root, 0)
+    posted = [_crash(1, reporter=0), {"kind": "crash", "rank": 2, "reporter": 0}]
+    poster.post_events(posted)
+    events = reader.read_events()
+    assert [(e.kind, e.rank, e.reporter) for e in events] == [(ctl.EV_CRASH, 1, 0)]
+    assert events[0].culprit == Culprit.from_record(posted[0]["culprit"])
+    assert reader.read_events() is events  # decoded once: the same list grows
 
 
 # -- who watches whom ------------------------------------------------------------------------

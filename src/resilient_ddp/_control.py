@@ -98,8 +98,8 @@ import secrets
 import socket
 import stat as stat_mod
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -122,6 +122,134 @@ EV_UNRESPONSIVE = "unresponsive"
 EV_TIMEOUT = "timeout"
 EV_LEFT = "left"
 EV_SECTION = "section"  # a rank overran the budget of a section it declared
+
+
+# Fields that the code reading a record relies on, with the types it needs (a field may be
+# absent unless required). A record that breaks them is not one the library wrote.
+NUMBER = (int, float)
+_CULPRIT_FIELDS: dict[str, Any] = {
+    "rank": int,
+    "pid": int,
+    "seq": int,
+    "step": int,
+    "state_age": NUMBER,
+}
+_EVENT_FIELDS: dict[str, Any] = {"reporter": int, "final_seq": int}
+_TIMEOUT_FIELDS: dict[str, Any] = {"seq": int, "waited": NUMBER, "culprits": list}
+
+
+def bad_field(record: Mapping[str, Any], types: dict[str, Any], required: tuple[str, ...]) -> str:
+    """The first field of ``record`` that is missing (of ``required``) or of the wrong
+    type, described; "" when there is none."""
+    for name in required:
+        if name not in record:
+            return f"no {name!r}"
+    for name, kind in types.items():
+        if name in record and not isinstance(record[name], kind):
+            return f"{name!r} is {type(record[name]).__name__}"
+    return ""
+
+
+def event_problem(ev: Any) -> str:
+    """Why ``ev``, read from the event log, is not an event the library posts ("" if it
+    is one): :meth:`FailureEvent.decode` refuses it."""
+    if not isinstance(ev, dict):
+        return f"a {type(ev).__name__}, not an object"
+    if not isinstance(ev.get("kind"), str):
+        return "no 'kind'"
+    problem = bad_field(ev, _EVENT_FIELDS, ("reporter",))
+    if problem:
+        return problem
+    if ev["kind"] == EV_TIMEOUT:
+        problem = bad_field(ev, _TIMEOUT_FIELDS, ("op", "seq", "waited"))
+        culprits = ev.get("culprits", [])
+    else:
+        problem = bad_field(ev, {"rank": int, "culprit": dict}, ("rank", "culprit"))
+        culprits = [ev.get("culprit")]
+    for c in culprits:
+        if problem:
+            break
+        if not isinstance(c, dict):
+            return "a culprit that is not an object"
+        problem = bad_field(c, _CULPRIT_FIELDS, ("rank",))
+    return problem
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """One record of a generation's event log (``ev/log``): a rank's failure or
+    departure, as read back. The log holds its JSON form (a dict, which
+    :meth:`ControlPlane.post_events` writes); :meth:`ControlPlane.read_events` decodes
+    each record once into this, and drops a malformed one.
+
+    Attributes:
+        kind: One of the ``EV_*`` kinds.
+        reporter: The rank that posted it (-1: the launcher).
+        rank: The rank it reports (every kind but ``EV_TIMEOUT``; -1 there).
+        culprit: What is known of ``rank`` (every kind but ``EV_TIMEOUT``).
+        culprits: The ranks a timeout named (``EV_TIMEOUT``).
+        op: The op that timed out (``EV_TIMEOUT``).
+        seq: Its sequence number (``EV_TIMEOUT``; -1 otherwise).
+        waited: Seconds its reporter waited before it gave up (``EV_TIMEOUT``).
+        cls: ``"timeout"`` (the op timed out) or ``"failure"`` (a transfer with a peer
+            failed), for ``EV_TIMEOUT``.
+        secondary: A consequence of another failure, not a cause (it names no one).
+        final_seq: The last op of a rank that left (``EV_LEFT``; -1 otherwise).
+        gen: The generation it was posted in (-1 if not said).
+        t: When it was posted, the reporter's wall clock (seconds; 0.0 if not said).
+    """
+
+    kind: str
+    reporter: int
+    rank: int = -1
+    culprit: Culprit | None = None
+    culprits: tuple[Culprit, ...] = ()
+    op: str = ""
+    seq: int = -1
+    waited: float = 0.0
+    cls: str = "timeout"
+    secondary: bool = False
+    final_seq: int = -1
+    gen: int = -1
+    t: float = 0.0
+
+    @classmethod
+    def decode(cls, record: Any) -> FailureEvent:
+        """The event a record of the log holds.
+
+        Raises:
+            ValueError: It is not an event the library posts (its message says why; see
+                :func:`event_problem`).
+        """
+        problem = event_problem(record)
+        if problem:
+            raise ValueError(problem)
+        gen, t = record.get("gen"), record.get("t")
+        timeout = record["kind"] == EV_TIMEOUT
+        return cls(
+            kind=record["kind"],
+            reporter=record["reporter"],
+            rank=-1 if timeout else record["rank"],
+            culprit=None if timeout else Culprit.from_record(record["culprit"]),
+            culprits=tuple(Culprit.from_record(c) for c in record.get("culprits", []))
+            if timeout
+            else (),
+            op=str(record.get("op", "")),
+            seq=record["seq"] if timeout else -1,
+            waited=float(record["waited"]) if timeout else 0.0,
+            cls=str(record.get("cls", "timeout")),
+            secondary=bool(record.get("secondary")),
+            final_seq=record.get("final_seq", -1),
+            gen=gen if isinstance(gen, int) and not isinstance(gen, bool) else -1,
+            t=float(t) if isinstance(t, NUMBER) and not isinstance(t, bool) else 0.0,
+        )
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks it names: a timeout's culprits, else the rank it reports."""
+        if self.kind == EV_TIMEOUT:
+            return tuple(c.rank for c in self.culprits)
+        return (self.rank,)
 
 
 JOB_ENV = "RESILIENT_DDP_JOB_ID"
@@ -786,10 +914,12 @@ class ControlPlane:
         self._call(getattr(self.store, "append"), "ev/log", lines)  # noqa: B009
         self._add("ev/n", len(events))
 
-    def read_events(self, *, whole: bool = False) -> list[dict[str, Any]]:
-        """The events posted so far, in order; a line that is not a valid record (another
-        process appended it), or a copy of an earlier line (a replay), is skipped and
-        counted (:func:`rejected_records`).
+    def read_events(self, *, whole: bool = False) -> list[FailureEvent]:
+        """The events posted so far, in order, each decoded once (the list grows; callers
+        must not change it); a line that is not a valid record (another process appended
+        it), a record that is not an event the library posts (:func:`event_problem`), or a
+        copy of an earlier line (a replay), is skipped and counted
+        (:func:`rejected_records`).
 
         Incremental: only the bytes appended since this instance's last read are parsed,
         at most :data:`MAX_LOG_PARSE` bytes a call unless ``whole`` (the rest at the next
@@ -1537,21 +1667,22 @@ MAX_LINE = 2 * MAX_RECORD_BYTES
 
 
 class _LogReader:
-    """A JSON-lines log of sealed records, read incrementally: each :meth:`read` looks at
-    the complete lines appended since the last one; a line longer than any record the job
-    writes (:data:`MAX_LINE`) is skipped unparsed (counted); at most
-    :data:`MAX_LOG_PARSE` bytes of lines are parsed a call (``behind`` says more is
-    waiting); copies of earlier lines (replays) are dropped."""
+    """The event log (JSON lines of sealed records), read incrementally: each
+    :meth:`read` looks at the complete lines appended since the last one; a line longer
+    than any record the job writes (:data:`MAX_LINE`) is skipped unparsed (counted); at
+    most :data:`MAX_LOG_PARSE` bytes of lines are parsed a call (``behind`` says more is
+    waiting); copies of earlier lines (replays) are dropped. Each record is decoded once
+    (:meth:`FailureEvent.decode`); a malformed one is dropped (counted)."""
 
     def __init__(self, key: bytes | None, name: str) -> None:
         self.key, self.name = key, name
-        self.events: list[dict[str, Any]] = []
+        self.events: list[FailureEvent] = []
         self.offset = 0  # bytes consumed (complete lines)
         self.mark = b""  # the last bytes consumed: tells a log that was replaced
         self.seen: set[str] = set()
         self.behind = False
 
-    def read(self, raw: bytes) -> list[dict[str, Any]]:
+    def read(self, raw: bytes) -> list[FailureEvent]:
         raw = bytes(raw)
         if len(raw) < self.offset or raw[self.offset - len(self.mark) : self.offset] != self.mark:
             # Not the log read before (deleted and written again): from the start.
@@ -1567,8 +1698,11 @@ class _LogReader:
                 lines.append(raw[pos:nl])
                 parsed += nl - pos
             pos = nl + 1
-        if lines:
-            self.events.extend(read_log(self.key, self.name, b"\n".join(lines), self.seen))
+        for rec in read_log(self.key, self.name, b"\n".join(lines), self.seen) if lines else []:
+            try:
+                self.events.append(FailureEvent.decode(rec))
+            except ValueError as e:
+                _note_rejected(self.name, f"not an event the library posts: {e}")
         if pos > self.offset:
             self.offset = pos
             self.mark = raw[max(0, pos - 64) : pos]
@@ -1687,36 +1821,3 @@ def pid_namespace() -> str:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
-
-
-def culprit_from(
-    rank: int,
-    *,
-    what: str,
-    info: dict[str, Any] | None = None,
-    state: dict[str, Any] | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    """Build the JSON form of a :class:`Culprit` from a rank's info and last state."""
-    info = info or {}
-    state = state or {}
-    c: dict[str, Any] = {
-        "rank": rank,
-        "host": info.get("host", state.get("host", "?")),
-        "pid": info.get("pid", state.get("pid", 0)),
-        "what": what,
-        "op": state.get("op", ""),
-        "seq": state.get("seq", -1),
-        "step": state.get("step", -1),
-        "phase": state.get("phase", ""),
-        "section": state.get("section", ""),
-    }
-    if "t" in state:
-        c["state_age"] = round(max(0.0, time.time() - float(state["t"])), 3)
-    c.update(extra)
-    return c
-
-
-def to_culprit(d: dict[str, Any]) -> Culprit:
-    fields = Culprit.__dataclass_fields__
-    return Culprit(**{k: v for k, v in d.items() if k in fields})

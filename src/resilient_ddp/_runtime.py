@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import mmap
 import multiprocessing
@@ -45,6 +46,8 @@ from .errors import (
     Culprit,
     RankFailureError,
     ResilientDDPError,
+    error_head,
+    failure_message,
 )
 
 if TYPE_CHECKING:  # the runtime's features; they import this module
@@ -255,8 +258,8 @@ class Runtime:
         # and may interrupt it while it holds the lock.
         self.lock = threading.RLock()
         self.pending: set[PendingOp] = set()
-        self.failures: list[dict[str, Any]] = []
-        self.left: dict[int, dict[str, Any]] = {}
+        self.failures: list[ctl.FailureEvent] = []
+        self.left: dict[int, ctl.FailureEvent] = {}
         self.control_plane_error: ControlPlaneError | None = None
         # Backend works that never completed. Dropping the last reference to a gloo work or
         # group runs ~ProcessGroupGloo, which joins worker threads blocked on a stopped peer
@@ -640,7 +643,7 @@ class Runtime:
             return True
         if self.store_stalled() and self._store_lost():
             return True
-        return any(ev.get("final_seq", -1) < seq for ev in self.left.values())
+        return any(ev.final_seq < seq for ev in self.left.values())
 
     def store_answering(self) -> bool:
         """Whether the watchdog completed a tick within two heartbeat intervals and a
@@ -728,22 +731,24 @@ class Runtime:
         if self.failed_for(seq):
             raise self.build_error(name, seq)
 
-    def record_events(self, events: Sequence[dict[str, Any]]) -> None:
-        """Take failure reports read from the store and wake the ops they doom."""
+    def record_events(self, events: Sequence[ctl.FailureEvent]) -> None:
+        """Take failure reports read from the store (decoded by
+        :meth:`ControlPlane.read_events <._control.ControlPlane.read_events>`) and wake the
+        ops they doom."""
         woke = doomed = False
         with self.lock:
             for ev in events:
-                kind = ev["kind"]
+                kind = ev.kind
                 if kind == ctl.EV_LEFT:
-                    if ev["rank"] != self.rank:
-                        self.left[ev["rank"]] = ev
+                    if ev.rank != self.rank:
+                        self.left[ev.rank] = ev
                         doomed = True
                     continue
-                if ev.get("secondary"):
+                if ev.secondary:
                     continue
-                if kind == ctl.EV_TIMEOUT and ev.get("reporter") == self.rank:
+                if kind == ctl.EV_TIMEOUT and ev.reporter == self.rank:
                     continue  # this rank raised it already
-                if kind == ctl.EV_EXCEPTION and ev.get("rank") == self.rank:
+                if kind == ctl.EV_EXCEPTION and ev.rank == self.rank:
                     continue  # this rank is dying of it
                 # Reports by this rank about others, and reports about this rank (declared
                 # dead while stopped, say), both doom its pending ops.
@@ -765,42 +770,39 @@ class Runtime:
                 break
 
     # -- the rank the peers gave up on --------------------------------------------------------
-    def _verdict_on_me(self, ev: dict[str, Any]) -> RankFailureError | None:
+    def _verdict_on_me(self, ev: ctl.FailureEvent) -> RankFailureError | None:
         """The error this rank must raise because of ``ev``, a peer's verdict that names
         it (its timeout blamed this rank, or it declared this rank dead), or None."""
-        kind, me = ev.get("kind"), self.rank
+        kind, me = ev.kind, self.rank
         # A section overrun is reported by the rank itself (its watchdog), and the peers
         # fail on it: its main thread must stop too, wherever it is stuck.
-        if (ev.get("reporter") == me and kind != ctl.EV_SECTION) or ev.get("secondary"):
+        if (ev.reporter == me and kind != ctl.EV_SECTION) or ev.secondary:
             return None
-        mine: dict[str, Any] | None = None
+        mine: Culprit | None = None
         if kind == ctl.EV_TIMEOUT:
-            mine = next((c for c in ev.get("culprits", []) if c.get("rank") == me), None)
-        elif kind in (ctl.EV_UNRESPONSIVE, ctl.EV_SECTION) and ev.get("rank") == me:
-            mine = ev.get("culprit")
+            mine = next((c for c in ev.culprits if c.rank == me), None)
+        elif kind in (ctl.EV_UNRESPONSIVE, ctl.EV_SECTION) and ev.rank == me:
+            mine = ev.culprit
         if mine is None:
             return None
-        culprit = ctl.to_culprit(
-            {**mine, "step": self.step, "phase": self.phase, "section": self.section}
-        )
+        culprit = dataclasses.replace(mine, step=self.step, phase=self.phase, section=self.section)
         where = f" [step {self.step}, phase {self.phase!r}]" if self.step >= 0 else ""
         if kind == ctl.EV_TIMEOUT:
-            waited = float(ev.get("waited", 0.0))
             message = (
-                f"rank {me} (host {self.identity['host']}) is stuck: rank {ev['reporter']} gave "
-                f"up on {ev.get('op')}#{ev.get('seq')} after {waited:.1f} s waiting for it "
-                f"({mine.get('what', '?')}), and every peer raised. Raised here, in the main "
+                f"rank {me} (host {self.identity['host']}) is stuck: rank {ev.reporter} gave "
+                f"up on {ev.op}#{ev.seq} after {ev.waited:.1f} s waiting for it "
+                f"({mine.what}), and every peer raised. Raised here, in the main "
                 f"thread, from wherever it was{where}."
             )
             return CollectiveTimeoutError(
                 message,
                 culprits=[culprit],
-                op=str(ev.get("op", "")),
-                seq=int(ev.get("seq", -1)),
+                op=ev.op,
+                seq=ev.seq,
                 generation=self.generation,
             )
-        what = mine.get("what", "stopped responding")
-        who = "its watchdog" if ev.get("reporter") == me else f"rank {ev['reporter']}"
+        what = mine.what
+        who = "its watchdog" if ev.reporter == me else f"rank {ev.reporter}"
         message = (
             f"rank {me} (host {self.identity['host']}): {who} reported that it {what}, and "
             f"every peer raised. Raised here, in the main thread{where}."
@@ -901,7 +903,7 @@ class Runtime:
             return True
         with self.lock:
             dead = any(
-                ev.get("rank") == rank and ev["kind"] in (ctl.EV_CRASH, ctl.EV_UNRESPONSIVE)
+                ev.rank == rank and ev.kind in (ctl.EV_CRASH, ctl.EV_UNRESPONSIVE)
                 for ev in self.failures
             )
         if dead:
@@ -938,22 +940,23 @@ class Runtime:
         cls: type[RankFailureError] = RankFailureError
         found: dict[int, Culprit] = {}
         for i, ev in enumerate(self.failures):
-            if ev["kind"] == ctl.EV_TIMEOUT:
-                if i == 0 and ev.get("cls", "timeout") == "timeout":
+            if ev.kind == ctl.EV_TIMEOUT:
+                if i == 0 and ev.cls == "timeout":
                     cls = CollectiveTimeoutError
-                for c in ev.get("culprits", []):
-                    found.setdefault(c["rank"], ctl.to_culprit(c))
-            else:
-                found.setdefault(ev["rank"], ctl.to_culprit(ev["culprit"]))
+                for c in ev.culprits:
+                    found.setdefault(c.rank, c)
+            elif ev.culprit is not None:
+                found.setdefault(ev.rank, ev.culprit)
         # Ranks that left before this op: named when they left on their own; a rank that
         # left because of a failure reported above is a consequence, not a cause.
-        gone = [(r, ev) for r, ev in sorted(self.left.items()) if ev.get("final_seq", -1) < seq]
+        gone = [(r, ev) for r, ev in sorted(self.left.items()) if ev.final_seq < seq]
         for r, ev in gone:
-            if not ev.get("secondary"):
-                found.setdefault(r, ctl.to_culprit(ev["culprit"]))
+            if not ev.secondary and ev.culprit is not None:
+                found.setdefault(r, ev.culprit)
         if not found:
             for r, ev in gone:
-                found.setdefault(r, ctl.to_culprit(ev["culprit"]))
+                if ev.culprit is not None:
+                    found.setdefault(r, ev.culprit)
         return cls, list(found.values())
 
     def mark_raised(self) -> None:
@@ -1011,9 +1014,9 @@ class Runtime:
             if host is not None:
                 far = [host, *[c for c in far if c.rank != host.rank]]
                 named = f"; rank {host.rank} hosted the store and {host.what}" + named
+            where = error_head(name, self.rank, seq=seq, host=self.identity["host"])
             err = ControlPlaneError(
-                f"{name}#{seq} on rank {self.rank} (host {self.identity['host']}) cannot "
-                f"complete: {self.control_plane_error}{named}"
+                f"{where} cannot complete: {self.control_plane_error}{named}"
                 + "".join("\n" + c.describe() for c in far),
                 culprits=far,
                 op=name,
@@ -1026,21 +1029,15 @@ class Runtime:
         cls, culprits = self.culprits_for(seq)
         first = self.failures[0] if self.failures else None
         if head is None:
-            head = (
-                f"{name}#{seq} on rank {self.rank} (generation {self.generation}) cannot complete"
-            )
-        if first is not None and first["kind"] == ctl.EV_TIMEOUT and first["reporter"] != self.rank:
-            verb = "timed out" if first.get("cls", "timeout") == "timeout" else "failed"
+            where = error_head(name, self.rank, seq=seq, generation=self.generation)
+            head = f"{where} cannot complete"
+        if first is not None and first.kind == ctl.EV_TIMEOUT and first.reporter != self.rank:
+            verb = "timed out" if first.cls == "timeout" else "failed"
             head += (
-                f": rank {first['reporter']} {verb} in {first['op']}#{first['seq']} after "
-                f"{first['waited']:.1f} s"
+                f": rank {first.reporter} {verb} in {first.op}#{first.seq} after "
+                f"{first.waited:.1f} s"
             )
-        if culprits:
-            body = "\n".join(c.describe() for c in culprits)
-            ranks = ", ".join(str(c.rank) for c in culprits)
-            message = f"{head}; failed rank(s): {ranks}\n{body}"
-        else:
-            message = f"{head}; every rank arrived but the data plane stalled (network?)"
+        message = failure_message(head, culprits, named="failed")
         return cls(message, culprits=culprits, op=name, seq=seq, generation=self.generation)
 
     def _await_host_mates(self) -> None:
@@ -1049,7 +1046,7 @@ class Runtime:
         watchdog, read at this one's next tick). Wait up to two heartbeat intervals for
         them, so that the error names the whole host at once."""
         with self.lock:
-            silent = {int(ev["rank"]) for ev in self.failures if ev["kind"] == ctl.EV_UNRESPONSIVE}
+            silent = {ev.rank for ev in self.failures if ev.kind == ctl.EV_UNRESPONSIVE}
         hosts = {self.infos.get(r, {}).get("host") for r in silent} - {self.identity["host"]}
         if not hosts or self.watchdog is None:
             return
@@ -1058,7 +1055,7 @@ class Runtime:
         self.watchdog.poke()
         while time.monotonic() < end:
             with self.lock:
-                named = {int(ev["rank"]) for ev in self.failures if "rank" in ev}
+                named = {ev.rank for ev in self.failures if ev.kind != ctl.EV_TIMEOUT}
             if mates <= named:
                 return
             time.sleep(0.02)
@@ -1084,7 +1081,7 @@ class Runtime:
             while time.monotonic() < end and not self.failures and not self.left:
                 time.sleep(0.02)
         secondary = isinstance(exc, _SECONDARY) or bool(self.failures) or bool(self.left)
-        culprit = ctl.culprit_from(
+        culprit = Culprit.record(
             self.rank,
             what=f"raised {qualname(type(exc))}" + (f" in thread {thread!r}" if thread else ""),
             info=self.identity,
@@ -1117,7 +1114,7 @@ class Runtime:
             self.status = "left"
             return
         secondary = bool(self.failures) or self.raised or self.status == "failed"
-        culprit = ctl.culprit_from(
+        culprit = Culprit.record(
             self.rank,
             what=f"left the group after op #{self.op_seq} ({self.op or 'none'})"
             + _sampler_hint(self),
@@ -1275,7 +1272,7 @@ class Runtime:
                 seen = seen_at[r] if r in seen_at else self.note_beat(r, beat)
                 extra = _culprit_extra(beat, s, silent_s, seen)
                 culprits.append(
-                    ctl.culprit_from(
+                    Culprit.record(
                         r,
                         what=verdict.what,
                         blame=verdict.blame.name,
@@ -1296,7 +1293,7 @@ class Runtime:
         # be this rank itself (each side sees the other as different).
         ruling = dg.majority_rule(self.rank, name, seq, verdicts, ops)
         if isinstance(ruling, dg.Verdict):
-            me = ctl.culprit_from(
+            me = Culprit.record(
                 self.rank,
                 what=ruling.what,
                 blame=ruling.blame.name,
@@ -1332,10 +1329,7 @@ class Runtime:
     def culprit(self, rank: int, what: str) -> Culprit:
         """``rank`` as a culprit that ``what`` describes, with the host and pid it
         published at start-up."""
-        info = self.infos.get(rank, {})
-        return Culprit(
-            rank=rank, host=str(info.get("host", "?")), pid=int(info.get("pid", 0)), what=what
-        )
+        return Culprit.of(rank, what, info=self.infos.get(rank))
 
     def store_host_culprit(self) -> Culprit | None:
         """With the control plane lost: the rank that hosted the store, if one did, and
@@ -2080,11 +2074,10 @@ def section(name: str, budget: timedelta | float | None = None) -> Iterator[None
         if rt.watchdog is not None:
             rt.watchdog.report_section_overrun(name, seconds or 0.0)
         rt.mark_raised()
-        culprit = Culprit(
-            rank=rt.rank,
-            host=rt.identity["host"],
-            pid=rt.identity["pid"],
-            what=f"(this rank) overran the {seconds:.1f} s budget of section {name!r}",
+        culprit = Culprit.of(
+            rt.rank,
+            f"(this rank) overran the {seconds:.1f} s budget of section {name!r}",
+            info=rt.identity,
             step=rt.step,
             section=name,
         )
@@ -2136,9 +2129,9 @@ def _culprit_extra(
     and first seen at ``seen`` (this process's monotonic clock)."""
     extra: dict[str, Any] = {}
     if not state.get("board"):
-        # Its heartbeat's age by this process's clock (the one culprit_from would compute
+        # Its heartbeat's age by this process's clock (the one Culprit.record would compute
         # compares its wall-clock "t" with this host's). A board (a stopped rank on this
-        # host) is read now: culprit_from's age of it stands.
+        # host) is read now: Culprit.record's age of it stands.
         extra["state_age"] = round(silent_s, 3)
     idle = beat.get("idle")
     if isinstance(idle, (int, float)) and not isinstance(idle, bool):

@@ -26,7 +26,14 @@ from ._backend import comm_device
 from ._runtime import ensure_runtime
 from ._wire import SafeUnpickler, dumps, loads
 from .collectives import Duration, Op, op_signature
-from .errors import CollectiveMismatchError, ConfigError, Culprit, RankFailureError
+from .errors import (
+    CollectiveMismatchError,
+    ConfigError,
+    Culprit,
+    RankFailureError,
+    error_head,
+    failure_message,
+)
 
 __all__ = ["broadcast_state_dict", "load_and_broadcast"]
 
@@ -172,18 +179,16 @@ def load_and_broadcast(
     if isinstance(shared, _LoadFailed):
         # The group itself is healthy (the failure was reported through it): unlike a
         # peer's crash, this error does not fail later ops.
-        info = rt.infos.get(src, {})
-        culprit = Culprit(
-            rank=src,
-            host=str(info.get("host", "?")),
-            pid=int(info.get("pid", 0)),
-            what=f"raised {shared.exc_type} while loading {path!r}",
+        culprit = Culprit.of(
+            src,
+            f"raised {shared.exc_type} while loading {path!r}",
+            info=rt.infos.get(src),
             exc_type=shared.exc_type,
             exc_message=shared.message,
         )
+        head = error_head("load_and_broadcast", rt.rank, generation=rt.generation)
         raise RankFailureError(
-            f"load_and_broadcast on rank {rt.rank}: rank {src} could not load the checkpoint; "
-            f"culprit rank(s): {src}\n{culprit.describe()}",
+            failure_message(f"{head}: rank {src} could not load the checkpoint", [culprit]),
             culprits=[culprit],
             op="load_and_broadcast",
             generation=rt.generation,

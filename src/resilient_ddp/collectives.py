@@ -48,8 +48,11 @@ from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigError,
+    Culprit,
     RankFailureError,
     RetryBudgetExhaustedError,
+    error_head,
+    failure_message,
     format_rank_table,
 )
 
@@ -491,7 +494,7 @@ class Op:
             state = rt.control.read_states([peer]).get(peer, {})
         except Exception:  # noqa: BLE001 - naming is best effort
             state = {}
-        culprit = ctl.culprit_from(
+        culprit = Culprit.record(
             peer,
             what=f"did not complete its side of {self.name}#{self.seq}",
             info=rt.infos.get(peer, {}),
@@ -868,15 +871,9 @@ class Op:
                 "cls": cls_name,
             }
         )
-        objs = [ctl.to_culprit(c) for c in culprits]
-        head = f"{self.name}#{self.seq} on rank {rt.rank} (generation {rt.generation}) {reason}"
-        if objs:
-            message = (
-                f"{head}; culprit rank(s): {', '.join(str(c.rank) for c in objs)}\n"
-                + "\n".join(c.describe() for c in objs)
-            )
-        else:
-            message = f"{head}; every rank arrived but the data plane did not complete the op"
+        objs = [Culprit.from_record(c) for c in culprits]
+        head = error_head(self.name, rt.rank, seq=self.seq, generation=rt.generation)
+        message = failure_message(f"{head} {reason}", objs)
         err = cls(message, culprits=objs, op=self.name, seq=self.seq, generation=rt.generation)
         raise rt.notify_failure(err) from cause
 

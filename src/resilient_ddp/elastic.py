@@ -528,12 +528,9 @@ def _gone(rt: Runtime) -> tuple[set[int], set[int]]:
         failures = list(rt.failures)
         left = dict(rt.left)
     for ev in failures:
-        if ev["kind"] == ctl.EV_TIMEOUT:
-            gone.update(int(c["rank"]) for c in ev.get("culprits", []))
-            continue
-        gone.add(int(ev["rank"]))
-        if ev["kind"] in (ctl.EV_CRASH, ctl.EV_EXCEPTION):
-            dead.add(int(ev["rank"]))
+        gone.update(ev.ranks)
+        if ev.kind in (ctl.EV_CRASH, ctl.EV_EXCEPTION):
+            dead.add(ev.rank)
     gone.update(left)
     dead.update(left)
     return gone, dead

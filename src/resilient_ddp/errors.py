@@ -27,6 +27,7 @@ Catch :class:`RankFailureError` to handle "a peer is gone or stuck", or
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -124,6 +125,66 @@ class Culprit:
     stack: str | None = None
     state_age: float | None = None
 
+    @staticmethod
+    def record(
+        rank: int,
+        what: str,
+        *,
+        info: Mapping[str, Any] | None = None,
+        state: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """The JSON form of a culprit (what events and diagnoses carry on the store).
+
+        Args:
+            rank: The rank it names.
+            what: What it did, one line.
+            info: What the rank published at start-up (``host``, ``pid``), if known.
+            state: Its last state (a heartbeat: ``op``, ``seq``, ``step``, ``phase``,
+                ``section``; its wall-clock ``t`` in seconds gives ``state_age``), if known.
+            **extra: More fields, set last (a diagnosis adds some that are not fields of
+                :class:`Culprit`: they travel on the wire and :meth:`from_record` drops
+                them).
+        """
+        info = info or {}
+        state = state or {}
+        c: dict[str, Any] = {
+            "rank": rank,
+            "host": info.get("host", state.get("host", "?")),
+            "pid": info.get("pid", state.get("pid", 0)),
+            "what": what,
+            "op": state.get("op", ""),
+            "seq": state.get("seq", -1),
+            "step": state.get("step", -1),
+            "phase": state.get("phase", ""),
+            "section": state.get("section", ""),
+        }
+        if "t" in state:
+            c["state_age"] = round(max(0.0, time.time() - float(state["t"])), 3)
+        c.update(extra)
+        return c
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Culprit:
+        """The culprit a JSON form (:meth:`record`) describes; keys that are not fields
+        are ignored. Its types are the reader's to check (see ``_control.event_problem``)."""
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in record.items() if k in names})
+
+    @classmethod
+    def of(
+        cls,
+        rank: int,
+        what: str,
+        *,
+        info: Mapping[str, Any] | None = None,
+        state: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> Culprit:
+        """``rank`` as a culprit that ``what`` describes, from what the caller has: its
+        start-up ``info``, its last ``state`` and any other field (see :meth:`record`)."""
+        return cls.from_record(cls.record(rank, what, info=info, state=state, **fields))
+
     def describe(self) -> str:
         """Return a multi-line, human-readable account of this culprit."""
         head = f"rank {self.rank} (host {self.host}, pid {self.pid}) {self.what}"
@@ -152,6 +213,38 @@ class Culprit:
 
 
 _FRESH_S = 0.05  # a state younger than this is shown without its age
+
+
+def error_head(
+    op: str,
+    rank: int,
+    *,
+    seq: int | None = None,
+    generation: int | None = None,
+    host: str | None = None,
+) -> str:
+    """The first words of a failure's message: which op failed on which rank, as
+    ``"all_reduce#3 on rank 0 (generation 1)"``; ``seq`` and the parenthesis are left out
+    when not given (``host`` replaces the generation where the rank's host matters more:
+    the control plane is lost)."""
+    where = f"host {host}" if host is not None else f"generation {generation}"
+    name = op if seq is None else f"{op}#{seq}"
+    paren = "" if host is None and generation is None else f" ({where})"
+    return f"{name} on rank {rank}{paren}"
+
+
+#: The ending of a message that names no culprit: every rank arrived at the op.
+NO_CULPRIT = "every rank arrived but the data plane did not complete the op (network?)"
+
+
+def failure_message(head: str, culprits: Sequence[Culprit], *, named: str = "culprit") -> str:
+    """A failure's whole message: ``head``, then the ranks named (``"; culprit rank(s): 1,
+    2"``, ``named`` saying how they are named) and each culprit's account on the lines
+    after it, or :data:`NO_CULPRIT` when there is none."""
+    if not culprits:
+        return f"{head}; {NO_CULPRIT}"
+    ranks = ", ".join(str(c.rank) for c in culprits)
+    return f"{head}; {named} rank(s): {ranks}\n" + "\n".join(c.describe() for c in culprits)
 
 
 def format_rank_table(

@@ -49,7 +49,13 @@ from ._progress import progress as _mark_progress
 from ._runtime import Runtime, in_own_wait
 from ._wire import to_cpu
 from .collectives import Duration, Op
-from .errors import ConfigError, ItemFailureError, RankFailureError, ResilientDDPError
+from .errors import (
+    ConfigError,
+    Culprit,
+    ItemFailureError,
+    RankFailureError,
+    ResilientDDPError,
+)
 from .gather import gather_to_rank0
 from .process_group import ensure_runtime
 from .sampler import BalancedDistributedSampler
@@ -599,7 +605,7 @@ class _Pool:
             f"{_worker_name(self.rank, self.world)}: rank 0 gave this process's "
             f"distributed_inference work to the others because it {why}; what it delivered "
             "after that was dropped. Raised here, in the main thread.",
-            culprits=[ctl.to_culprit(ctl.culprit_from(self.rank, what=why))],
+            culprits=[Culprit.of(self.rank, what=why)],
             op="distributed_inference",
             generation=self.rt.generation,
         )
@@ -636,7 +642,7 @@ class _Pool:
             raise RankFailureError(
                 f"distributed_inference on replacement worker {self.rank} cannot finish: "
                 f"rank 0 collects the results and {what}",
-                culprits=[ctl.to_culprit(ctl.culprit_from(0, what=what))],
+                culprits=[Culprit.of(0, what=what)],
                 op="distributed_inference",
                 generation=rt.generation,
             )
@@ -644,7 +650,7 @@ class _Pool:
             raise rt.build_error("distributed_inference", rt.op_seq)
         if self.rank != 0:
             with rt.lock:
-                failed = [ev for ev in rt.failures if 0 in _ranks_of(ev)]
+                failed = [ev for ev in rt.failures if 0 in ev.ranks]
                 left = 0 in rt.left
             if failed or left:
                 # Rank 0 ends the call before it leaves: its departure (or a failure after
@@ -903,14 +909,6 @@ def _worker_name(worker: int, world_size: int) -> str:
     return f"rank {worker}" if worker < world_size else f"replacement worker {worker}"
 
 
-def _ranks_of(ev: dict[str, Any]) -> list[int]:
-    """The ranks a failure event names."""
-    if ev.get("kind") == ctl.EV_TIMEOUT:
-        return [int(c.get("rank", -1)) for c in ev.get("culprits", [])]
-    r = ev.get("rank")
-    return [int(r)] if isinstance(r, int) else []
-
-
 _WHY = {
     ctl.EV_CRASH: "died",
     ctl.EV_UNRESPONSIVE: "stopped responding",
@@ -1001,11 +999,10 @@ class _Collector(threading.Thread):
                 seen_failures += len(fresh)
                 left = [r for r in rt.left if r not in self.given_up]
             for ev in fresh:
-                for r in _ranks_of(ev):
-                    what = ev.get("culprit", {}).get("what") or _WHY.get(
-                        ev.get("kind", ""), "failed"
-                    )
-                    changed |= self._give_up(r, f"{_WHY.get(ev.get('kind', ''), 'failed')}: {what}")
+                why = _WHY.get(ev.kind, "failed")
+                for r in ev.ranks:
+                    what = (ev.culprit.what if ev.culprit is not None else "") or why
+                    changed |= self._give_up(r, f"{why}: {what}")
             for r in left:
                 changed |= self._give_up(r, "left the group")
             leases = self._leases()  # before the deliveries (see Ledger.orphans)
@@ -1235,7 +1232,7 @@ class _Collector(threading.Thread):
                 )
                 why = f"was busy on one chunk past busy_timeout ({busy:.0f} s)"
             if self.control.claim(r):
-                culprit = ctl.culprit_from(
+                culprit = Culprit.record(
                     r, what=what, info=rt.infos.get(r), state=s, stack=s.get("stack", "")
                 )
                 self.control.post_events(
@@ -1257,7 +1254,7 @@ class _Collector(threading.Thread):
                     f"rank {r} (host {rt.identity['host']}): {what}; distributed_inference "
                     "cannot finish without rank 0, which collects the results. Raised "
                     "here, in the main thread.",
-                    culprits=[ctl.to_culprit(ctl.culprit_from(r, what=what, state=s))],
+                    culprits=[Culprit.of(r, what=what, state=s)],
                     op="distributed_inference",
                     generation=rt.generation,
                 )

@@ -28,7 +28,7 @@ from typing import Any
 
 from . import _control as ctl
 from . import _runtime
-from .errors import RankOutcome, SpawnError
+from .errors import Culprit, RankOutcome, SpawnError
 
 # Sent by the launcher to a rank it is about to kill: faulthandler prints every thread's
 # stack on the rank's stderr. A real-time signal, so that no handler of the user's is in
@@ -390,8 +390,7 @@ def _failure_reported(jobs: ctl.JobStore, seen: int) -> tuple[int, bool]:
         if n == seen:
             return seen, False
         failed = any(
-            ev["kind"] != ctl.EV_LEFT and not ev.get("secondary")
-            for ev in control.read_events(whole=True)
+            ev.kind != ctl.EV_LEFT and not ev.secondary for ev in control.read_events(whole=True)
         )
         return n, failed
     except Exception:  # noqa: BLE001 - the store is ours; failing to read it is not fatal
@@ -433,7 +432,7 @@ def _report_death(jobs: ctl.JobStore, rank: int, exitcode: int) -> None:
                 "reporter": -1,
                 "gen": gen,
                 "t": time.time(),
-                "culprit": ctl.culprit_from(rank, what=what, info=info, state=state),
+                "culprit": Culprit.record(rank, what=what, info=info, state=state),
             }
         )
     except Exception:  # noqa: BLE001 - reporting is best effort; peers also detect deaths

@@ -39,63 +39,14 @@ log = logging.getLogger("resilient_ddp")
 _MAX_TICK_ERRORS = 5  # consecutive unexpected errors before the watchdog stops
 _STRAGGLER_STREAK = 3  # slow checks in a row before a rank is reported as a straggler
 
-# Fields that the code reading a record relies on, with the types it needs (a field may be
-# absent unless required). A record that breaks them is not one the library wrote.
-_NUMBER = (int, float)
-_CULPRIT_FIELDS: dict[str, Any] = {
-    "rank": int,
-    "pid": int,
-    "seq": int,
-    "step": int,
-    "state_age": _NUMBER,
-}
-_EVENT_FIELDS: dict[str, Any] = {"reporter": int, "final_seq": int}
-_TIMEOUT_FIELDS: dict[str, Any] = {"seq": int, "waited": _NUMBER, "culprits": list}
+# The fields of a heartbeat that the code reading it relies on, with the types it needs.
 _STATE_FIELDS: dict[str, Any] = {
     "beat": int,
     "seq": int,
     "step": int,
-    "t": _NUMBER,
+    "t": ctl.NUMBER,
     "status": str,
 }
-
-
-def _bad_field(record: dict[str, Any], types: dict[str, Any], required: tuple[str, ...]) -> str:
-    """The first field of ``record`` that is missing (of ``required``) or of the wrong
-    type, described; "" when there is none."""
-    for name in required:
-        if name not in record:
-            return f"no {name!r}"
-    for name, kind in types.items():
-        if name in record and not isinstance(record[name], kind):
-            return f"{name!r} is {type(record[name]).__name__}"
-    return ""
-
-
-def event_problem(ev: Any) -> str:
-    """Why ``ev``, read from the event log, is not an event the library posts ("" if it
-    is one): the code that takes it (``Runtime.record_events``, the errors built from it)
-    would fail on it."""
-    if not isinstance(ev, dict):
-        return f"a {type(ev).__name__}, not an object"
-    if not isinstance(ev.get("kind"), str):
-        return "no 'kind'"
-    problem = _bad_field(ev, _EVENT_FIELDS, ("reporter",))
-    if problem:
-        return problem
-    if ev["kind"] == ctl.EV_TIMEOUT:
-        problem = _bad_field(ev, _TIMEOUT_FIELDS, ("op", "seq", "waited"))
-        culprits = ev.get("culprits", [])
-    else:
-        problem = _bad_field(ev, {"rank": int, "culprit": dict}, ("rank", "culprit"))
-        culprits = [ev.get("culprit")]
-    for c in culprits:
-        if problem:
-            break
-        if not isinstance(c, dict):
-            return "a culprit that is not an object"
-        problem = _bad_field(c, _CULPRIT_FIELDS, ("rank",))
-    return problem
 
 
 def watch_targets(rank: int, world: int, hosts: Mapping[int, str | None]) -> list[int]:
@@ -351,7 +302,7 @@ class Watchdog(threading.Thread):
             f"the resilient_ddp watchdog of rank {rt.rank} (host {host}) stopped {why}. Failure "
             "detection is off on this rank: it publishes no heartbeat and notices no peer's "
             "failure, so it cannot go on.",
-            culprits=[Culprit(rank=rt.rank, host=host, pid=pid, what=what)],
+            culprits=[Culprit.of(rt.rank, what, host=host, pid=pid)],
             generation=rt.generation,
         )
         error.__cause__ = e
@@ -368,7 +319,7 @@ class Watchdog(threading.Thread):
         """Report this rank failed (best effort): its main thread raises at its next op."""
         rt = self.rt
         try:
-            culprit = ctl.culprit_from(
+            culprit = Culprit.record(
                 rt.rank,
                 what=what,
                 info=rt.identity,
@@ -404,8 +355,9 @@ class Watchdog(threading.Thread):
             # A poster that died between appending its line and bumping ev/n leaves the
             # counter behind the log for good: consume by records, trigger on any change.
             self._last_count = n_events
+            # Decoded as read: a record that is not an event was dropped (and counted).
             events = self.control.read_events()
-            fresh = [ev for ev in events[self._lines_seen :] if self._is_event(ev)]
+            fresh = events[self._lines_seen :]
             self._lines_seen = len(events)
             before = (len(rt.failures), len(rt.left))
             rt.record_events(fresh)
@@ -455,12 +407,6 @@ class Watchdog(threading.Thread):
             problem,
         )
 
-    def _is_event(self, ev: Any) -> bool:
-        problem = event_problem(ev)
-        if problem:
-            self._malformed("event", "ev/log", problem)
-        return not problem
-
     def _usable_states(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """The watched ranks' states, each malformed one (left out by the control plane,
         or with a field of the wrong type) replaced by that rank's last good one."""
@@ -468,7 +414,7 @@ class Watchdog(threading.Thread):
         for r in self.watched:
             s = states.get(r)
             if s is not None:
-                problem = _bad_field(s, _STATE_FIELDS, ())
+                problem = ctl.bad_field(s, _STATE_FIELDS, ())
                 if not problem:
                     usable[r] = self._good_states[r] = s
                     continue
@@ -562,7 +508,7 @@ class Watchdog(threading.Thread):
             self._section_reported = True
         what = f"overran the {budget:.1f} s budget of section {name!r}"
         state = self._state(with_stack=True)
-        culprit = ctl.culprit_from(
+        culprit = Culprit.record(
             rt.rank, what=what, info=rt.identity, state=state, stack=state["stack"]
         )
         self._logger.warning("%s", what)
@@ -625,7 +571,7 @@ class Watchdog(threading.Thread):
         for r, what in found:
             if not self.control.claim(r):
                 continue  # someone else reported it first
-            culprit = ctl.culprit_from(r, what=what, info=self.rt.infos.get(r), state=states[r])
+            culprit = Culprit.record(r, what=what, info=self.rt.infos.get(r), state=states[r])
             self._logger.warning("rank %d %s", r, what)
             events.append(self._event(kind, r, culprit))
         if events:
