@@ -240,19 +240,18 @@ def test_a_64_mib_junk_log_is_parsed_in_bounded_pieces() -> None:
     junk = ("junk " * 19 + "\n").encode() * ((64 << 20) // 96)
     base.append(f"{root.prefix}/g0/ev/log", junk)
     ctl.ControlPlane(root, 0).post_event(_event(2))
-    reads, slowest, events = 0, 0.0, []
+    reads, events = 0, []
     while True:
         n = cp.poll([])[0]
-        t0 = time.monotonic()
         events = cp.read_events()
-        slowest = max(slowest, time.monotonic() - t0)
         reads += 1
         if events and cp.poll([])[0] == n:
             break
         assert reads < 200
     assert [e.rank for e in events] == [2]
+    # One piece a read, not the whole log: as many reads as pieces (a wall-clock bound per
+    # read failed under load: 1.16 s on a machine at load 14).
     assert reads >= len(junk) // ctl.MAX_LOG_PARSE
-    assert slowest < 1.0, slowest  # one piece, not the whole log
 
 
 # -- 5. preflight --------------------------------------------------------------------------------
