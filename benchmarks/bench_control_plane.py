@@ -353,7 +353,7 @@ class _Agreeing:
         return getattr(self._rt, name)
 
 
-def _shrink(
+def _shrink(  # noqa: PLR0915 - one simulated shrink, step by step
     base: Any,
     rts: dict[int, Any],
     world: int,

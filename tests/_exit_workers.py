@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import resilient_ddp as rd
-from resilient_ddp import _runtime
+from resilient_ddp import _exit_guard
 from resilient_ddp.testing import kill_self, stop_self
 
 THREAD_DELAY_S = 0.5
@@ -49,7 +49,8 @@ def _end(rank: int, end: str, out: Path) -> bool:
         Whether the exit guard is armed (for ``return``, the one end that returns).
     """
     threading.Thread(target=_write_later, args=(out / f"thread{rank}",), daemon=False).start()
-    print(f"rank {rank} ends by {end}; exit guard armed: {_runtime._guard_armed}", flush=True)
+    armed = _exit_guard.exit_guard_armed()
+    print(f"rank {rank} ends by {end}; exit guard armed: {armed}", flush=True)
     if end == "raise3":
         raise SystemExit(3)
     if end == "exit4":
@@ -63,7 +64,7 @@ def _end(rank: int, end: str, out: Path) -> bool:
     if end == "interrupt":
         raise KeyboardInterrupt
     assert end == "return", end
-    return _runtime._guard_armed
+    return _exit_guard.exit_guard_armed()
 
 
 def run(rank: int, fault: str, culprit: int, ends: list[str], out_dir: str) -> bool:
@@ -110,5 +111,5 @@ def guard_only_main() -> None:
         os.fork = _no_fork
     if os.environ.get("RD_EXIT_SIGCHLD_IGNORED") == "1":
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    _runtime.arm_exit_guard()
+    _exit_guard.arm_exit_guard()
     _end(0, os.environ["RD_EXIT_END"], Path(os.environ["RD_EXIT_OUT"]))

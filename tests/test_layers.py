@@ -34,15 +34,27 @@ LAYERS: dict[str, int] = {
             "_backend",
             "sampler",
             "_guest",
+            "_traces",
         ],
         0,
     ),
     # 1 control plane: the store, its keys and records; start-up checks; progress signals.
-    **dict.fromkeys(["_control", "_torchelastic", "preflight", "_progress", "_events"], 1),
+    **dict.fromkeys(
+        [
+            "_control",
+            "_torchelastic",
+            "preflight",
+            "_progress",
+            "_events",
+            "_board",
+            "_exit_guard",
+        ],
+        1,
+    ),
     # 2 the process's view of the job.
     "_runtime": 2,
-    # 3 failure detection.
-    "watchdog": 3,
+    # 3 failure detection, and the process's hooks (uncaught exceptions, signals).
+    **dict.fromkeys(["watchdog", "_process_hooks"], 3),
     # 4 regrouping (a new generation's group).
     "membership": 4,
     # 5 bounded operations.

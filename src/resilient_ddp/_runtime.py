@@ -8,27 +8,20 @@ publishes them and feeds failure reports back through :meth:`Runtime.record_even
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import logging
-import mmap
-import multiprocessing
 import os
-import secrets
 import signal
-import struct
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +30,16 @@ from torch.utils.hooks import RemovableHandle
 from . import _clock, _events, _progress, _timings
 from . import _control as ctl
 from . import _diagnosis as dg
+from ._board import _Board, process_board, with_board
+from ._exit_guard import arm_exit_guard
+from ._traces import (
+    _is_backend_error,
+    _is_internal,
+    _is_ours,
+    format_stack,
+    format_tb_summary,
+    qualname,
+)
 from .config import ResilienceConfig, duration_seconds
 from .errors import (
     CollectiveMismatchError,
@@ -45,7 +48,6 @@ from .errors import (
     ControlPlaneError,
     Culprit,
     RankFailureError,
-    ResilientDDPError,
     error_head,
     failure_message,
 )
@@ -66,9 +68,6 @@ JOIN_STARTUP_SECTION = "start-up after joining"
 # Verdicts worded from the diagnosing rank's side (the majority rule): never shared.
 _RELATIVE_BLAMES = frozenset({dg.Blame.DIVERGED.name, dg.Blame.THIS_RANK_DIVERGED.name})
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_THREADING_FILE = os.path.abspath(threading.__file__)
-_MULTIPROCESSING_DIR = os.path.dirname(os.path.abspath(multiprocessing.__file__))
 # Errors a rank raises because of someone else: reporting them would name the wrong culprit.
 _SECONDARY = (RankFailureError, CollectiveMismatchError, ControlPlaneError)
 
@@ -452,6 +451,19 @@ class Runtime:
         self.seq = 0
         self.op, self.op_seq = "", -1
 
+    def note_thread_died(self, note: str) -> None:
+        """Keep ``note`` (a thread of this process died of an exception) for the reports."""
+        self.thread_errors.append(note)
+
+    def take_told_error(self) -> RankFailureError | None:
+        """The peers' verdict on this rank, to raise in the main thread, once: None if there
+        is none or it was taken already. A rank that raises it has raised a failure."""
+        if self.told_error is None or self.told_delivered:
+            return None
+        self.told_delivered = True
+        self.mark_raised()
+        return self.told_error
+
     def clear_raised(self, *, notify_again: bool) -> None:
         """This rank recovered from the failure it raised (elastic training goes on):
         its departure would no longer be a consequence of one. With ``notify_again``, the
@@ -821,7 +833,7 @@ class Runtime:
         """
         if self.told_error is not None or self.elastic is not None or self.in_op:
             return
-        if not _tell_installed or TELL_SIGNAL is None or self.main_thread_ident is None:
+        if not _tell_ready or TELL_SIGNAL is None or self.main_thread_ident is None:
             return
         self.told_error = error
         self.told_at = time.monotonic()
@@ -1371,191 +1383,7 @@ class Runtime:
         )
 
 
-# -- the board --------------------------------------------------------------------------------
-_BOARD_PREFIX = "resilient_ddp-board-"
-_BOARD_GC_AGE_S = 120.0  # a dead process's board older than this is removed by the next one
-_TEXT = 63  # bytes of the phase and of the op name kept on the board
-
-
-class _Board:
-    """This process's step, phase and last op in a small file in shared memory
-    (``/dev/shm`` where it exists), rewritten in place at every change.
-
-    The training thread writes one packed record per change (about 0.5 us: no system
-    call, no store round trip); the page outlives the process, so a peer or the launcher
-    on the same host that finds the process gone (SIGKILL, the OOM killer) or stopped reads
-    exactly what it was doing. The record starts and ends with the same counter: a reader
-    that finds them different (a write cut short) ignores the record.
-    """
-
-    RECORD = struct.Struct(f"<QqqdB{_TEXT}s{_TEXT}sQ")
-
-    def __init__(self, path: str, fd: int) -> None:
-        self.path = path
-        self._fd = fd
-        self._map = mmap.mmap(fd, self.RECORD.size)
-        self._count = 0
-        self._pid = os.getpid()
-
-    @classmethod
-    def create(cls) -> _Board | None:
-        """A new board for this process (``None`` where no file can be made)."""
-        folder = board_folder()
-        path = os.path.join(folder, f"{_BOARD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError:
-            return None
-        try:
-            os.ftruncate(fd, cls.RECORD.size)
-            board = cls(path, fd)
-        except (OSError, ValueError):
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return None
-        _collect_boards(folder)
-        return board
-
-    def write(self, step: int, seq: int, op: str, phase: str, in_op: bool) -> None:
-        """Record the current state (the training thread, at every change)."""
-        if os.getpid() != self._pid:
-            return  # a forked child (a data loader worker) is not this rank
-        self._count += 1
-        try:  # noqa: SIM105 - on every change: contextlib.suppress would double the cost
-            self.RECORD.pack_into(
-                self._map,
-                0,
-                self._count,
-                step,
-                seq,
-                time.time(),
-                in_op,
-                phase.encode(errors="replace")[:_TEXT],
-                op.encode(errors="replace")[:_TEXT],
-                self._count,
-            )
-        except (ValueError, TypeError):
-            pass  # closed at exit (atexit) while a thread still runs: nothing to tell
-
-    def close(self) -> None:
-        """Remove the board (this process ends)."""
-        if os.getpid() != self._pid:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            self._map.close()
-            os.close(self._fd)
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-
-
-_process_board: list[_Board | None] = []  # created on first use; one for the process
-
-
-def process_board() -> _Board | None:
-    """This process's board, created on first use (``None`` where none can be made)."""
-    if not _process_board or (
-        _process_board[0] is not None and _process_board[0]._pid != os.getpid()
-    ):
-        _process_board[:] = [_Board.create()]
-        board = _process_board[0]
-        if board is not None:
-            atexit.register(board.close)
-    return _process_board[0]
-
-
-def board_folder() -> str:
-    """Where boards are: ``/dev/shm`` (memory, on Linux), else the temporary folder."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-
-
-def _collect_boards(folder: str) -> None:
-    """Remove the boards of processes killed long ago (a SIGKILLed rank cannot remove its
-    own; its peers read it first, within seconds)."""
-    now = time.time()
-    try:
-        names = [n for n in os.listdir(folder) if n.startswith(_BOARD_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(_BOARD_PREFIX) :].split("-", 1)[0]
-        path = os.path.join(folder, name)
-        try:
-            if not pid.isdigit() or ctl.process_state(int(pid)) is not None:
-                continue
-            if now - os.stat(path).st_mtime > _BOARD_GC_AGE_S:
-                os.unlink(path)
-        except OSError:
-            continue
-
-
-def remove_boards(pids: Iterator[int] | Sequence[int]) -> None:
-    """Remove the boards of the processes ``pids`` (a launcher, once they ended)."""
-    folder = board_folder()
-    wanted = {str(pid) for pid in pids}
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(_BOARD_PREFIX) and name[len(_BOARD_PREFIX) :].split("-")[0] in wanted:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
-
-
-def read_board(info: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The step, phase and op that the process of ``info`` (a rank's published identity)
-    last wrote to its board: ``{"step", "seq", "op", "phase", "in_op", "t"}``, or ``None``
-    when it has no board on this host or the record is unreadable."""
-    path = (info or {}).get("board")
-    if not isinstance(path, str) or not os.path.basename(path).startswith(_BOARD_PREFIX):
-        return None
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_Board.RECORD.size)
-        first, step, seq, t, in_op, phase, op, last = _Board.RECORD.unpack(raw)
-    except (OSError, struct.error):
-        return None
-    if first != last or first == 0:
-        return None
-    return {
-        "step": step,
-        "seq": seq,
-        "op": op.rstrip(b"\0").decode(errors="replace"),
-        "phase": phase.rstrip(b"\0").decode(errors="replace"),
-        "in_op": bool(in_op),
-        "t": t,
-    }
-
-
-def with_board(state: dict[str, Any] | None, info: dict[str, Any] | None) -> dict[str, Any]:
-    """``state`` (a rank's last heartbeat, maybe ``None``) with the step, phase and op of
-    its board when this host can read it: for a process that is gone or stopped, what it
-    was doing when it stopped, not as of its last heartbeat.
-
-    The board holds the process's latest state whenever it was written (its ``t`` is the
-    time of the last change, which may be older than the heartbeat's, published since
-    without a change). The result's ``t`` is now: nothing newer can have happened in a
-    process that no longer runs, so a report shows no age (``state_age``); ``board``
-    marks it.
-    """
-    merged = dict(state or {})
-    board = read_board(info)
-    if board is not None:
-        merged.update(
-            step=board["step"],
-            seq=board["seq"],
-            op=board["op"],
-            phase=board["phase"],
-            in_op=board["in_op"],
-            t=time.time(),
-            board=True,
-        )
-    return merged
-
-
-# -- formatting helpers -----------------------------------------------------------------------
+# -- hints --------------------------------------------------------------------------------------
 def _sampler_hint(rt: Runtime) -> str:
     """A hint for the peers of ``rt``'s rank, which leaves its group: when it trained (a
     ``ResilientDDP`` step ran) and iterated a ``BalancedDistributedSampler``, the inference
@@ -1570,54 +1398,6 @@ def _sampler_hint(rt: Runtime) -> str:
         "shards are uneven; to give every rank the same number of steps, train with "
         "rd.LockstepBatchSampler, rd.ElasticBatchSampler or torch's DistributedSampler"
     )
-
-
-def qualname(cls: type) -> str:
-    """``module.Class`` (bare for builtins and ``__main__``), as reports name types."""
-    mod = cls.__module__
-    return cls.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{cls.__qualname__}"
-
-
-# Modules of ours that run user-facing code (the demo, test helpers): never elided.
-_USER_FACING = ("_demo.py", "testing.py")
-
-
-def _is_internal(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    if path == _THREADING_FILE:
-        return True
-    return _is_ours(path)
-
-
-def _is_ours(filename: str) -> bool:
-    """Whether ``filename`` is one of the library's modules (not a user-facing one)."""
-    path = os.path.abspath(filename)
-    return path.startswith(_PACKAGE_DIR) and not path.endswith(_USER_FACING)
-
-
-def format_stack(frame: FrameType, depth: int) -> str:
-    """Innermost ``depth`` frames of ``frame``, our own and threading's waits elided."""
-    # Launcher frames (multiprocessing, our spawn wrapper) tell the reader nothing.
-    frames = [
-        f
-        for f in traceback.extract_stack(frame)
-        if f.filename != "<string>"
-        and not os.path.abspath(f.filename).startswith(_MULTIPROCESSING_DIR)
-        and not os.path.abspath(f.filename).endswith(os.path.join("resilient_ddp", "launch.py"))
-    ]
-    inside = ""
-    while frames and _is_internal(frames[-1].filename):
-        inside = f"  (inside resilient_ddp: {frames[-1].name})"
-        frames.pop()
-    text = "".join(traceback.format_list(frames[-depth:])).rstrip("\n")
-    return text + ("\n" + inside if inside else "")
-
-
-def format_tb_summary(tb: TracebackType | None, depth: int) -> str:
-    if tb is None:
-        return ""
-    frames = traceback.extract_tb(tb)
-    return "".join(traceback.format_list(frames[-depth:])).rstrip("\n")
 
 
 # -- failure listeners --------------------------------------------------------------------------
@@ -1650,11 +1430,18 @@ def add_failure_listener(fn: Callable[[RankFailureError], object]) -> RemovableH
     return handle
 
 
-# -- the process-wide runtime and its hooks -------------------------------------------------
+# -- the process-wide runtime ------------------------------------------------------------------
 _runtime: Runtime | None = None
-_hooks_installed = False
-_prev_excepthook: Callable[..., Any] | None = None
-_prev_thread_hook: Callable[..., Any] | None = None
+# Whether the main thread has the handler of TELL_SIGNAL (installed with the process's
+# hooks, see _process_hooks.install_hooks): tell_main signals it only then.
+_tell_ready = False
+
+
+def set_tell_ready(ready: bool) -> None:
+    """Say whether the main thread handles :data:`TELL_SIGNAL` (by raising the peers'
+    verdict): called by :mod:`._process_hooks` as it installs or removes its handler."""
+    global _tell_ready
+    _tell_ready = ready
 
 
 def current() -> Runtime | None:
@@ -1705,340 +1492,6 @@ def ensure_runtime(config: ResilienceConfig | None = None) -> Runtime:
 def set_current(rt: Runtime | None) -> None:
     global _runtime
     _runtime = rt
-
-
-# The main thread is in the excepthook: the process dies of an uncaught exception, which it
-# is reporting (to the peers, to torchrun's error file, on stderr). A launcher's SIGTERM
-# then must not raise another error into the hook (which would end it before the error
-# file is written: seen as torchrun's bare "To enable traceback" for that rank).
-_dying = False
-
-
-def _excepthook(
-    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-) -> None:
-    global _dying
-    _dying = True
-    rt = _runtime
-    if rt is not None:
-        _report_dying(rt, exc, tb, to_peers=not issubclass(exc_type, KeyboardInterrupt))
-    assert _prev_excepthook is not None
-    _prev_excepthook(exc_type, exc, tb)
-    if rt is not None and (rt.stuck or rt.failures):
-        # Python joins the non-daemon threads, then the guard ends the process (code 1).
-        arm_exit_guard()
-
-
-def _report_dying(
-    rt: Runtime, exc: BaseException, tb: TracebackType | None, *, to_peers: bool = True
-) -> None:
-    """The exception this rank dies of: to the peers, and to torchrun's error file (its
-    root-cause summary shows what this rank saw)."""
-    if to_peers:
-        rt.report_exception(exc, tb)
-    from ._torchelastic import record_error_file
-
-    record_error_file(exc)
-
-
-def _thread_hook(args: threading.ExceptHookArgs) -> None:
-    rt = _runtime
-    if rt is not None and args.exc_value is not None:
-        name = args.thread.name if args.thread is not None else "?"
-        rt.thread_errors.append(
-            f"note: thread {name!r} died with {qualname(args.exc_type)}: {args.exc_value}"
-        )
-    assert _prev_thread_hook is not None
-    _prev_thread_hook(args)
-
-
-def hard_exit(code: int) -> None:
-    """Exit now with ``code``, after atexit handlers, without the interpreter's shutdown.
-
-    For a process that knows its exit code (an ``rd.spawn`` rank, see ``launch._finish``)
-    after a failure: gloo's worker threads would keep the interpreter from exiting until
-    the process group's own timeout, or abort it. Non-daemon threads are not waited for:
-    join them first.
-    """
-    try:
-        atexit.unregister(_exit_guard)
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-def _is_backend_error(exc: BaseException) -> bool:
-    if isinstance(exc, ResilientDDPError):
-        return False  # ours are DistErrors too (drop-in), but never a backend's
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    return any(os.sep + os.path.join("torch", "distributed") + os.sep in f.filename for f in frames)
-
-
-_guard_armed = False
-# How long the exit guard waits for the copy of this process that finishes the
-# interpreter's exit (about 0.1 s measured); past it, the copy is killed (see _exit_guard).
-_FINISHER_WAIT_S = 30.0
-# Exit code when the guard cannot learn the interpreter's own: never a false success.
-_UNKNOWN_EXIT_CODE = 1
-
-
-def _normalise_code(code: Any) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    return 1  # sys.exit("message") prints it and exits 1
-
-
-def _exit_guard() -> None:
-    """End a process that saw a failure with the exit code the interpreter chose, without
-    the interpreter's teardown. Runs first among the atexit handlers (registered last).
-
-    Python has joined the non-daemon threads by now. The code the interpreter will exit
-    with (0, 1 after an uncaught exception, ``n`` for ``sys.exit(n)`` or
-    ``raise SystemExit(n)``, SIGINT after Ctrl-C) is in its C stack only: no Python code
-    can read it. Its teardown cannot run here: gloo objects of a failed group block on a
-    stopped peer or abort the process, and a thread that returns from the backend while
-    the interpreter finalizes aborts it (``terminate called without an active
-    exception``: an op fails exactly when the peers exit). So the other handlers run
-    first (every thread can still take the GIL), then the process forks: the copy has no
-    other thread; it keeps every object alive and skips the C++ static destructors
-    (:func:`_keep_everything`), so its finalization destructs nothing, and it exits with
-    the interpreter's own code. This process then ends the same way, by ``os._exit``.
-    Without ``fork`` (it failed) this process finishes the exit itself, kept the same
-    way: the code is still the interpreter's, but a thread may still abort it.
-    """
-    atexit.unregister(_exit_guard)
-    if threading.current_thread() is not threading.main_thread() or (
-        sys._getframe().f_back is not None
-    ):
-        return  # run by atexit._run_exitfuncs() from Python code: not the process's end
-    atexit._run_exitfuncs()
-    import faulthandler
-    import warnings
-
-    with contextlib.suppress(Exception):
-        logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed or absent stream must not stop it
-            stream.flush()
-    # Its watchdog thread is not copied: the copy's finalization would wait for it forever.
-    faulthandler.cancel_dump_traceback_later()
-    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # else the copy's status is discarded
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, 3.12+
-            pid = os.fork()
-    except OSError:
-        pid = 0
-    if pid == 0:
-        _keep_everything()
-        return  # the interpreter's exit goes on, and ends with its own code
-    _end_like(pid)
-
-
-def _keep_everything() -> None:
-    """Let the interpreter's finalization destruct nothing.
-
-    Every module, and every object a module refers to, gets a reference that is never
-    dropped (everything reachable stays alive); the garbage collector ignores every object
-    that exists (``gc.freeze``); and ``exit()`` calls ``_exit`` with its status before the
-    C and C++ exit handlers (static destructors of libraries whose threads were not copied).
-    """
-    import ctypes
-    import gc
-
-    kept: list[Any] = []
-    for module in list(sys.modules.values()):
-        kept.append(module)
-        with contextlib.suppress(TypeError):
-            kept.extend(vars(module).values())
-    gc.freeze()
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
-    libc = ctypes.CDLL(None)
-    on_exit = getattr(libc, "on_exit", None)  # glibc
-    if on_exit is not None:
-        # exit(status) calls it as _exit(status, NULL); _exit reads its one argument.
-        on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None)
-
-
-def _end_like(pid: int) -> NoReturn:
-    """Wait for the process ``pid`` (see :func:`_exit_guard`), then end as it ended: the
-    same exit code, or killed by the same signal."""
-    deadline = time.monotonic() + _FINISHER_WAIT_S
-    status: int | None = None
-    why = f"did not finish within {_FINISHER_WAIT_S:.0f} s"
-    while status is None and time.monotonic() < deadline:
-        try:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = st
-            else:
-                time.sleep(0.005)
-        except ChildProcessError:
-            why = "ended, but its status was taken by someone else"
-            break
-        except BaseException:  # noqa: BLE001 - a signal handler raised; the end goes on
-            continue
-    if status is None:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            sys.stderr.write(
-                f"resilient_ddp: the process finishing the interpreter's exit {why}; "
-                f"exiting with code {_UNKNOWN_EXIT_CODE}\n"
-            )
-            sys.stderr.flush()
-        os._exit(_UNKNOWN_EXIT_CODE)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        with contextlib.suppress(Exception):
-            signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
-            os.kill(os.getpid(), sig)
-        os._exit(128 + sig)
-    os._exit(os.waitstatus_to_exitcode(status))
-
-
-def arm_exit_guard() -> None:
-    """After a failure, end the process without the interpreter's teardown, with the exit
-    code the interpreter chose (see :func:`_exit_guard`).
-
-    Gloo objects of a failed group, destructed at interpreter exit, block on a stopped peer
-    or throw on a dead one (SIGABRT), whatever the program did meanwhile.
-    """
-    global _guard_armed
-    if _guard_armed:
-        return
-    _guard_armed = True
-    atexit.register(_exit_guard)
-
-
-_tell_installed = False
-_prev_signal_handlers: dict[int, Any] = {}
-_prev_exit: Callable[..., Any] | None = None
-
-
-def _on_tell(signum: int, frame: FrameType | None) -> None:
-    """Raise the peers' verdict on this rank in the main thread (see Runtime.tell_main)."""
-    rt = _runtime
-    if rt is not None:
-        _raise_told(rt)
-
-
-def _raise_told(rt: Runtime) -> None:
-    """Raise the peers' verdict on this rank, once, if the watchdog has one for it."""
-    if rt.told_error is None or rt.told_delivered:
-        return
-    rt.told_delivered = True
-    rt.mark_raised()
-    raise rt.told_error
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """A launcher ends the job (``mp.spawn`` and torchrun send SIGTERM to the others as
-    soon as one rank fails): raise the failure this rank knows of, naming the culprit,
-    instead of dying silently. Without a known failure, die by the signal as before."""
-    rt = _runtime
-    if _dying:
-        return  # reporting the exception it dies of; the exit follows (see _dying)
-    if rt is not None:
-        if rt.lingering:
-            return  # the store host serves the verdict to the last peers (bounded), then exits
-        if isinstance(sys.exc_info()[1], ResilientDDPError):
-            # The main thread is handling one of our errors already (an ``except`` block:
-            # the user's, or mp.spawn's that reports it and exits): let it finish.
-            return
-        _raise_told(rt)
-        # The watchdog learns of a death within a tick; let it tick now. (``rt.raised`` may
-        # already be set: the watchdog builds the error it fails a pending op with.)
-        grace = _timings.watchdog_verdict_wait(rt.config)
-        if rt.status == "running" and rt.await_verdict(grace):
-            name = signal.Signals(signum).name
-            head = (
-                f"rank {rt.rank} (host {rt.identity['host']}) was ended by {name} from its "
-                f"launcher (in {rt.op or 'no collective'}"
-                f"{f', step {rt.step}' if rt.step >= 0 else ''})"
-            )
-            raise rt.build_error(rt.op or "(no op)", max(rt.op_seq, 0), head=head)
-        if rt.hosts_store and (rt.failures or rt.raised):
-            return  # on its way out: it keeps the store up for the peers (linger), bounded
-    signal.signal(signum, _prev_signal_handlers.get(signum, signal.SIG_DFL))
-    os.kill(os.getpid(), signum)
-
-
-def _exit_reporting(code: str | int | None = None) -> NoReturn:
-    """``sys.exit`` while the library is attached: a non-zero exit from inside an
-    ``except`` block (``torch.multiprocessing.spawn`` does this with the rank's exception,
-    and so do many scripts) reports that exception to the peers, as an uncaught one is."""
-    rt = _runtime
-    exc = sys.exc_info()[1]
-    if (
-        rt is not None
-        and exc is not None
-        and _normalise_code(code) != 0
-        and not isinstance(exc, (SystemExit, KeyboardInterrupt))
-    ):
-        _report_dying(rt, exc, exc.__traceback__)
-    assert _prev_exit is not None
-    _prev_exit(code)
-    raise SystemExit(code)  # pragma: no cover - _prev_exit raised already
-
-
-def _install_signal(signum: int, handler: Callable[[int, FrameType | None], None]) -> bool:
-    """Install ``handler`` for ``signum`` unless the program has its own; True if done."""
-    current = signal.getsignal(signum)
-    if current not in (signal.SIG_DFL, None):
-        return False
-    _prev_signal_handlers[signum] = current
-    signal.signal(signum, handler)
-    return True
-
-
-def install_hooks() -> None:
-    """Hook uncaught exceptions, ``sys.exit`` and, in the main thread, SIGTERM and the
-    verdict signal, so that every way this rank ends tells the peers, and every way the
-    peers end tells this rank."""
-    global _hooks_installed, _prev_excepthook, _prev_thread_hook, _tell_installed, _prev_exit
-    if _hooks_installed:
-        return
-    _prev_excepthook, sys.excepthook = sys.excepthook, _excepthook
-    _prev_thread_hook, threading.excepthook = threading.excepthook, _thread_hook
-    _prev_exit, sys.exit = sys.exit, _exit_reporting
-    if threading.current_thread() is threading.main_thread():
-        _install_signal(signal.SIGTERM, _on_sigterm)
-        if TELL_SIGNAL is not None:
-            _tell_installed = _install_signal(TELL_SIGNAL, _on_tell)
-    _hooks_installed = True
-
-
-def uninstall_hooks() -> None:
-    global _hooks_installed, _tell_installed
-    if not _hooks_installed:
-        return
-    if sys.excepthook is _excepthook and _prev_excepthook is not None:
-        sys.excepthook = _prev_excepthook
-    if threading.excepthook is _thread_hook and _prev_thread_hook is not None:
-        threading.excepthook = _prev_thread_hook
-    if sys.exit is _exit_reporting and _prev_exit is not None:
-        sys.exit = _prev_exit
-    if threading.current_thread() is threading.main_thread():
-        for signum, handler in list(_prev_signal_handlers.items()):
-            if signal.getsignal(signum) in (_on_sigterm, _on_tell):
-                signal.signal(signum, handler)
-            del _prev_signal_handlers[signum]
-        _tell_installed = False
-    _hooks_installed = False
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """torchrun (torchelastic) integration: the error file its root-cause summary reads, and the
 plain-init restart trap.
 
-The call sites are :func:`resilient_ddp._runtime._excepthook` (every uncaught exception once
+The call sites are :func:`resilient_ddp._process_hooks._excepthook` (every uncaught exception once
 resilient_ddp is initialised) and :func:`resilient_ddp.process_group.attach` (a default
 group that the user, not resilient_ddp, created).
 """

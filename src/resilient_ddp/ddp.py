@@ -38,7 +38,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
-from . import _progress, _runtime, _timings, elastic
+from . import _exit_guard, _progress, _runtime, _timings, elastic
 from ._backend import nccl_version
 from ._elastic_protocol import ShrinkDecision
 from ._runtime import PendingOp, Runtime
@@ -497,7 +497,7 @@ class ResilientDDP(DistributedDataParallel):
                 if worker.is_alive():
                     # Left behind inside the backend until its own timeout: the process
                     # must not run the backend's destructors at exit.
-                    _runtime.arm_exit_guard()
+                    _exit_guard.arm_exit_guard()
                 raise
 
         op.run(body, signature=dict)

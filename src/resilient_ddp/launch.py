@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from . import _board, _exit_guard, _runtime
 from . import _control as ctl
-from . import _runtime
 from .errors import Culprit, RankOutcome, SpawnError
 
 # Sent by the launcher to a rank it is about to kill: faulthandler prints every thread's
@@ -344,7 +344,7 @@ class _Job:
         for p in self.procs:
             p.join(5)
         # The boards of processes that could not remove theirs (SIGKILL).
-        _runtime.remove_boards(self.pids)
+        _board.remove_boards(self.pids)
         for rank, c in enumerate(self.conns):
             while not c.closed and c.poll(0):
                 _drain(c, rank, self.results)
@@ -424,7 +424,7 @@ def _report_death(jobs: ctl.JobStore, rank: int, exitcode: int) -> None:
         info = control.read_infos([rank]).get(rank) if control.has_info(rank) else None
         # What it was doing when it died, from its board: its last heartbeat may be a few
         # steps behind in a fast loop.
-        state = _runtime.with_board(state, info)
+        state = _board.with_board(state, info)
         control.post_event(
             {
                 "kind": ctl.EV_CRASH,
@@ -464,7 +464,7 @@ def _child_main(
         message = ("value", None) if code == 0 else ("exit", code)
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         code = 1
-        from . import _runtime
+        from . import _runtime, _traces
 
         rt = _runtime.current()
         if rt is not None:
@@ -475,7 +475,7 @@ def _child_main(
             exc: BaseException | None = e
         except Exception:  # noqa: BLE001
             exc = None
-        message = ("error", (_runtime.qualname(type(e)), str(e), tb, exc))
+        message = ("error", (_traces.qualname(type(e)), str(e), tb, exc))
         sys.stderr.write(f"[rank {rank}] {tb}")
     try:
         conn.send(message)
@@ -501,7 +501,6 @@ def _finish(code: int) -> None:
     Raises:
         SystemExit: With ``code``, unless the process ended here.
     """
-    from . import _runtime
     from .process_group import destroy_process_group
 
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter itself calls
@@ -514,8 +513,8 @@ def _finish(code: int) -> None:
             destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-    if _runtime._guard_armed:
-        _runtime.hard_exit(code)
+    if _exit_guard.exit_guard_armed():
+        _exit_guard.hard_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     raise SystemExit(code)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _clock, _runtime
+from . import _clock, _exit_guard
 from . import _control as ctl
 from ._backend import abort_group, default_pg_timeout, forget_failed_init
 from ._events import rank_log
@@ -240,7 +240,7 @@ def release_retired(wait_s: float = _RELEASE_WAIT_S) -> None:
     worker.join(wait_s)
     if worker.is_alive():
         log.debug("a retired process group waits for a blocked op; released in background")
-        _runtime.arm_exit_guard()
+        _exit_guard.arm_exit_guard()
         _releasing.append(worker)
 
 

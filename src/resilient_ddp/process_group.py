@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _control as ctl
-from . import _guest, _runtime, _timings
+from . import _exit_guard, _guest, _process_hooks, _runtime, _timings
 from ._backend import abort_group, backend_name, default_pg_timeout
 from ._events import rank_log
 from ._runtime import Runtime
@@ -105,7 +105,7 @@ def init_process_group(
             return
         rt, _ = joined
         _runtime.set_current(rt)
-        _runtime.install_hooks()
+        _process_hooks.install_hooks()
         return
     if not dist.is_initialized():
         # The backend's timeout is torch's unless the caller gives one: plain calls (a
@@ -187,7 +187,7 @@ def attach(
         rank_log.of(rt).warning("%s", hint)
     elastic_setup(rt)
     _runtime.set_current(rt)
-    _runtime.install_hooks()
+    _process_hooks.install_hooks()
     return rt
 
 
@@ -279,7 +279,7 @@ def _detach(rt: Runtime) -> None:
         rt.watchdog.stop(timeout=_timings.watchdog_stop_wait(rt.config))
     rt.linger()  # the store host keeps serving until the peers are done with it
     _runtime.set_current(None)
-    _runtime.uninstall_hooks()
+    _process_hooks.uninstall_hooks()
 
 
 @atexit.register
@@ -291,7 +291,7 @@ def _at_exit() -> None:
     if rt is not None:
         _detach(rt)
     _retired.clear()  # what the models left of them is gone by now (see _retired)
-    if not _runtime._guard_armed:
+    if not _exit_guard.exit_guard_armed():
         # While other threads can still take the GIL (see _retired). With the exit guard
         # armed (after a failure) the process ends without destructing anything.
         release_retired(wait_s=2.0)

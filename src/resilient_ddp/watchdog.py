@@ -28,8 +28,10 @@ from typing import Any
 
 from . import _clock, _events, _timings
 from . import _control as ctl
+from ._board import with_board
 from ._events import rank_log
-from ._runtime import Runtime, qualname, with_board
+from ._runtime import Runtime
+from ._traces import qualname
 from .errors import ControlPlaneError, Culprit
 
 __all__: list[str] = []
