@@ -897,7 +897,8 @@ def _as_final(op: Op, cause: BaseException) -> RankFailureError:
     if isinstance(cause, RankFailureError):
         return cause
     return CollectiveTimeoutError(
-        f"{op.name}#{op.seq} on rank {op.rt.rank} could not complete: {cause}",
+        f"{error_head(op.name, op.rt.rank, seq=op.seq, generation=op.rt.generation)} could "
+        f"not complete: {cause}",
         op=op.name,
         seq=op.seq,
         generation=op.rt.generation,

@@ -55,6 +55,7 @@ from .errors import (
     ItemFailureError,
     RankFailureError,
     ResilientDDPError,
+    error_head,
 )
 from .gather import gather_to_rank0
 from .process_group import ensure_runtime
@@ -660,7 +661,7 @@ class _Pool:
                 raise rt.build_error(
                     "distributed_inference",
                     rt.op_seq,
-                    head=f"distributed_inference on rank {rt.rank} cannot finish: rank 0 "
+                    head=f"{error_head('distributed_inference', rt.rank)} cannot finish: rank 0 "
                     "collects the results and failed (with output_dir, a restart resumes)",
                 )
         return False
