@@ -77,42 +77,6 @@ UNRESPONSIVE_EXIT_CODE = 75
 TELL_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 
 
-class _StoreProbe:
-    """Probes the control-plane store's address (:func:`_control.probe_store`) from a
-    short-lived thread of its own, at most once per ``every`` seconds, while the
-    watchdog's store calls do not complete; the main thread reads the latest result and
-    never blocks on it."""
-
-    def __init__(self, address: tuple[str, int], every: float) -> None:
-        self.address = address
-        self.every = every
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        # (time.monotonic() when the probe started, verdict, why)
-        self._result: tuple[float, str, str] | None = None
-
-    def latest(self, since: float) -> tuple[str, str] | None:
-        """The verdict of the newest probe started after ``since`` (None if none finished
-        yet); starts a probe if none runs and the last one is older than ``every``."""
-        with self._lock:
-            res = self._result
-            running = self._thread is not None and self._thread.is_alive()
-            if not running and (res is None or time.monotonic() - res[0] >= self.every):
-                self._thread = threading.Thread(
-                    target=self._run, name="resilient_ddp-store-probe", daemon=True
-                )
-                self._thread.start()
-        if res is None or res[0] < since:
-            return None
-        return res[1], res[2]
-
-    def _run(self) -> None:
-        started = time.monotonic()
-        verdict, why = ctl.probe_store(self.address)
-        with self._lock:
-            self._result = (started, verdict, why)
-
-
 class PendingOp:
     """One collective in flight, completed by the backend or failed by the watchdog.
 
@@ -292,7 +256,7 @@ class Runtime:
         self.store_timeout_s = _timings.store_lost_limit(config)
         address = ctl.store_address(control_root)
         every = config.heartbeat_interval.total_seconds()
-        self.store_probe = _StoreProbe(address, every) if address is not None else None
+        self.store_probe = ctl.StoreProbe(address, every) if address is not None else None
         self.stall_warned = 0.0  # the watchdog_tick of the stall last warned about
         # The backend timeout the default group was created with (None: torch's default);
         # a rebuilt generation gets it back after its short rendezvous timeout.
@@ -674,7 +638,7 @@ class Runtime:
         """With the store stalled: whether to declare the control plane lost now (and do).
 
         A fresh TCP connection to the store's address tells the cases apart without
-        blocking this thread (:class:`_StoreProbe`). Refused, or no answer: the store's
+        blocking this thread (:class:`._control.StoreProbe`). Refused, or no answer: the store's
         process is gone, or its host or the network to it: lost now. Accepted: the store
         has fallen behind (overloaded, or its process stopped): training goes on, failure
         detection waits, and the control plane is lost only after ``store_timeout``.
