@@ -18,7 +18,7 @@ Per W:
    here first).
 2. **A stuck rank**: every virtual rank but one enters the same collective, the one stays
    outside any; all the others time out at the same moment and run the real diagnosis
-   (``Runtime.diagnose``, one thread and connection each). Measured: the time until each
+   (``_store_diagnosis.diagnose``, one thread and connection each). Measured: the time until each
    has a verdict, how many name the stuck rank, how many diagnoses ran (one is the goal:
    the others read its verdict), and the store requests and bytes per rank beyond the
    healthy path's.
@@ -303,8 +303,11 @@ def _first_reports(rts: dict[int, Any]) -> dict[int, float]:
 def _stuck(base: Any, rts: dict[int, Any], world: int, victim: int, counts: _Counts) -> Any:
     """Every virtual rank but ``victim`` enters all_reduce#1; ``victim`` stays outside any
     collective. Once every heartbeat shows it, all of them time out at the same moment and
-    run ``Runtime.diagnose``, each in a thread of its own over its own connection, as the
-    real op path does. Returns each one's seconds to its verdict and the ranks it names."""
+    run ``_store_diagnosis.diagnose``, each in a thread of its own over its own connection,
+    as the real op path does. Returns each one's seconds to its verdict and the ranks it
+    names."""
+    from resilient_ddp import _store_diagnosis
+
     for rt in rts.values():
         if rt.rank != victim:
             rt.begin_op("all_reduce")
@@ -317,7 +320,7 @@ def _stuck(base: Any, rts: dict[int, Any], world: int, victim: int, counts: _Cou
     t0 = time.time()
 
     def one(rt: Any) -> None:
-        culprits = rt.diagnose(rt.connection("main"), "all_reduce", 1)
+        culprits = _store_diagnosis.diagnose(rt, rt.connection("main"), "all_reduce", 1)
         verdicts[rt.rank] = (time.time() - t0, sorted(int(c["rank"]) for c in culprits))
 
     threads = [

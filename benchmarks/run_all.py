@@ -1525,7 +1525,7 @@ def render_control_plane(data: dict[str, Any]) -> list[str]:
             "**A stuck rank** (run before the dead one): every virtual rank but one enters "
             "all_reduce#1, the one stays outside any collective; once every heartbeat shows "
             "it, all the others time out at the same moment and run the library's diagnosis "
-            "(`Runtime.diagnose`, a thread and a connection each, as the op path does). "
+            "(`_store_diagnosis.diagnose`, a thread and a connection each, as the op path does). "
             "Verdict: from that moment until a rank has its verdict. Diagnoses: how many "
             "ranks asked every rank for its stack (the others read a verdict). Requests and "
             "bytes: per rank, beyond the healthy path's in the same time.",

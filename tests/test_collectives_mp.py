@@ -439,7 +439,7 @@ def stand_in_runtime(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     """What :class:`Op`'s constructor reads of the runtime (default config, 1 s diagnosis)."""
     rt = SimpleNamespace(
         config=rd.ResilienceConfig(),
-        _diagnosis_window=lambda: 1.0,
+        diagnosis_window=lambda: 1.0,
         begin_op=lambda _name: 1,
         stuck_window=lambda _name: 3.0,
     )
@@ -490,7 +490,7 @@ def test_a_limit_in_the_config_is_a_hard_limit(monkeypatch: pytest.MonkeyPatch) 
     ):
         rt = SimpleNamespace(
             config=cfg,
-            _diagnosis_window=lambda: 1.0,
+            diagnosis_window=lambda: 1.0,
             begin_op=lambda _name: 1,
             stuck_window=lambda _name: 3.0,
         )

@@ -53,8 +53,8 @@ LAYERS: dict[str, int] = {
     ),
     # 2 the process's view of the job.
     "_runtime": 2,
-    # 3 failure detection, and the process's hooks (uncaught exceptions, signals).
-    **dict.fromkeys(["watchdog", "_process_hooks"], 3),
+    # 3 failure detection: the watchdog, store-side diagnosis, the process's hooks.
+    **dict.fromkeys(["watchdog", "_process_hooks", "_store_diagnosis"], 3),
     # 4 regrouping (a new generation's group).
     "membership": 4,
     # 5 bounded operations.

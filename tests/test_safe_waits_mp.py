@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from resilient_ddp import _clock, _runtime
+from resilient_ddp import _clock, _runtime, _store_diagnosis
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _safe_waits_workers as w
@@ -116,7 +116,9 @@ def test_a_section_budget_is_seconds_left_on_the_observers_clock(
     clock = _Clock()
     monkeypatch.setattr(_clock, "monotonic", clock)
     beat = {"beat": 7, "t": time.time() + their_wall_offset, "section_left": section_left}
-    extra = _runtime._culprit_extra(beat, beat, silent_s=seen_ago, seen=clock.now - seen_ago)
+    extra = _store_diagnosis._culprit_extra(
+        beat, beat, silent_s=seen_ago, seen=clock.now - seen_ago
+    )
     assert extra["busy_left"] == pytest.approx(busy_left)
     assert extra["state_age"] == pytest.approx(seen_ago)
     assert "busy_until" not in extra
@@ -176,7 +178,7 @@ def test_a_shared_verdict_is_aged_in_its_authors_heartbeats(
     rt = SimpleNamespace(config=cfg)
     control = _States({} if author_state is None else {0: author_state})
     verdict = {**verdict, "t": time.time() + 3600}  # its wall clock plays no part
-    assert _runtime.Runtime._verdict_stale(rt, control, verdict) is stale  # type: ignore[arg-type]
+    assert _store_diagnosis.verdict_stale(rt, control, verdict) is stale  # type: ignore[arg-type]
 
 
 def test_the_wall_clock_offset_moves_wall_only() -> None:

@@ -98,6 +98,7 @@ import secrets
 import socket
 import stat as stat_mod
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -1116,6 +1117,42 @@ def probe_store(address: tuple[str, int], timeout: float = PROBE_TIMEOUT_S) -> t
         return PROBE_REFUSED, f"{type(e).__name__}: {e}"
     except OSError as e:  # a timeout, no route, the name does not resolve
         return PROBE_SILENT, f"{type(e).__name__}: {e}"
+
+
+class StoreProbe:
+    """Probes the control-plane store's address (:func:`probe_store`) from a
+    short-lived thread of its own, at most once per ``every`` seconds, while the
+    watchdog's store calls do not complete; the main thread reads the latest result and
+    never blocks on it."""
+
+    def __init__(self, address: tuple[str, int], every: float) -> None:
+        self.address = address
+        self.every = every
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        # (time.monotonic() when the probe started, verdict, why)
+        self._result: tuple[float, str, str] | None = None
+
+    def latest(self, since: float) -> tuple[str, str] | None:
+        """The verdict of the newest probe started after ``since`` (None if none finished
+        yet); starts a probe if none runs and the last one is older than ``every``."""
+        with self._lock:
+            res = self._result
+            running = self._thread is not None and self._thread.is_alive()
+            if not running and (res is None or time.monotonic() - res[0] >= self.every):
+                self._thread = threading.Thread(
+                    target=self._run, name="resilient_ddp-store-probe", daemon=True
+                )
+                self._thread.start()
+        if res is None or res[0] < since:
+            return None
+        return res[1], res[2]
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        verdict, why = probe_store(self.address)
+        with self._lock:
+            self._result = (started, verdict, why)
 
 
 def present(check: Callable[[list[str]], bool], keys: Sequence[str]) -> list[bool]:

@@ -1,8 +1,8 @@
 """Why an op cannot complete: a typed verdict per rank, and which ranks to name.
 
 Pure functions of the ranks' last published states: no store, no process group, no
-:class:`~resilient_ddp._runtime.Runtime`. :meth:`Runtime.diagnose` gathers the states and
-asks this module for the verdicts:
+:class:`~resilient_ddp._runtime.Runtime`. :func:`resilient_ddp._store_diagnosis.diagnose`
+gathers the states and asks this module for the verdicts:
 
 * :func:`what_blocks`: why one rank keeps an op from completing, as a :class:`Verdict`
   (a :class:`Blame` and the one-line English text that failure messages quote);

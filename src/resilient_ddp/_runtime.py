@@ -29,8 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _clock, _events, _progress, _timings
 from . import _control as ctl
-from . import _diagnosis as dg
-from ._board import _Board, process_board, with_board
+from ._board import _Board, process_board
 from ._exit_guard import arm_exit_guard
 from ._traces import (
     _is_backend_error,
@@ -65,8 +64,6 @@ _events.install_rank_filter()  # every record of the logger says which rank wrot
 RECOVERY_PHASE = "recovery"
 # The section a joiner is in from its admission to its first collective.
 JOIN_STARTUP_SECTION = "start-up after joining"
-# Verdicts worded from the diagnosing rank's side (the majority rule): never shared.
-_RELATIVE_BLAMES = frozenset({dg.Blame.DIVERGED.name, dg.Blame.THIS_RANK_DIVERGED.name})
 
 # Errors a rank raises because of someone else: reporting them would name the wrong culprit.
 _SECONDARY = (RankFailureError, CollectiveMismatchError, ControlPlaneError)
@@ -78,42 +75,6 @@ UNRESPONSIVE_EXIT_CODE = 75
 # Sent by the watchdog to the main thread to make it raise the peers' verdict: a real-time
 # signal, because SIGUSR1/SIGUSR2 are taken by schedulers' conventions (SLURM, Lightning).
 TELL_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
-
-
-class _StoreProbe:
-    """Probes the control-plane store's address (:func:`_control.probe_store`) from a
-    short-lived thread of its own, at most once per ``every`` seconds, while the
-    watchdog's store calls do not complete; the main thread reads the latest result and
-    never blocks on it."""
-
-    def __init__(self, address: tuple[str, int], every: float) -> None:
-        self.address = address
-        self.every = every
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        # (time.monotonic() when the probe started, verdict, why)
-        self._result: tuple[float, str, str] | None = None
-
-    def latest(self, since: float) -> tuple[str, str] | None:
-        """The verdict of the newest probe started after ``since`` (None if none finished
-        yet); starts a probe if none runs and the last one is older than ``every``."""
-        with self._lock:
-            res = self._result
-            running = self._thread is not None and self._thread.is_alive()
-            if not running and (res is None or time.monotonic() - res[0] >= self.every):
-                self._thread = threading.Thread(
-                    target=self._run, name="resilient_ddp-store-probe", daemon=True
-                )
-                self._thread.start()
-        if res is None or res[0] < since:
-            return None
-        return res[1], res[2]
-
-    def _run(self) -> None:
-        started = time.monotonic()
-        verdict, why = ctl.probe_store(self.address)
-        with self._lock:
-            self._result = (started, verdict, why)
 
 
 class PendingOp:
@@ -295,7 +256,7 @@ class Runtime:
         self.store_timeout_s = _timings.store_lost_limit(config)
         address = ctl.store_address(control_root)
         every = config.heartbeat_interval.total_seconds()
-        self.store_probe = _StoreProbe(address, every) if address is not None else None
+        self.store_probe = ctl.StoreProbe(address, every) if address is not None else None
         self.stall_warned = 0.0  # the watchdog_tick of the stall last warned about
         # The backend timeout the default group was created with (None: torch's default);
         # a rebuilt generation gets it back after its short rendezvous timeout.
@@ -677,7 +638,7 @@ class Runtime:
         """With the store stalled: whether to declare the control plane lost now (and do).
 
         A fresh TCP connection to the store's address tells the cases apart without
-        blocking this thread (:class:`_StoreProbe`). Refused, or no answer: the store's
+        blocking this thread (:class:`._control.StoreProbe`). Refused, or no answer: the store's
         process is gone, or its host or the network to it: lost now. Accepted: the store
         has fallen behind (overloaded, or its process stopped): training goes on, failure
         detection waits, and the control plane is lost only after ``store_timeout``.
@@ -1162,162 +1123,16 @@ class Runtime:
             text += "\n" + "\n".join(self.thread_errors[-3:])
         return text
 
-    def diagnose(self, control: ctl.ControlPlane, name: str, seq: int) -> list[dict[str, Any]]:
-        """Find the ranks that keep op ``seq`` from completing, asking each for its stack.
-
-        One rank diagnoses each round (the first of the ranks waiting in ``seq`` whose
-        attempt timed out: they all time out at about the same moment); the others wait for
-        its verdict on the store and take it as theirs. So a stuck rank costs O(W) store
-        requests in all, not every survivor reading every state (O(W^2)). A rank diagnoses
-        itself when no verdict comes (its diagnoser died), when the verdict is older than
-        ``heartbeat_timeout`` (this rank came late), was cut short by a failure, or found
-        ranks that issued another collective (the majority rule is relative to each rank).
-
-        Blocks at most the diagnosis window (``config.diagnosis_timeout``, at least two
-        heartbeat intervals), twice that in a double fault.
-
-        Raises:
-            ControlPlaneError: The store is unreachable.
-        """
-        key = (control.generation, seq)
-        self.diagnosis_rounds[key] = k = self.diagnosis_rounds.get(key, 0) + 1
-        if control.claim_diagnosis(seq, k):
-            verdict: dict[str, Any] = {"by": self.rank, "t": _clock.wall(), "shared": False}
-            try:
-                culprits = self._diagnose_here(control, name, seq)
-                # Its age is judged by the heartbeats this rank sent since (see below).
-                verdict["beat"] = self.watchdog.beats if self.watchdog is not None else None
-                divergent = any(c.get("blame") in _RELATIVE_BLAMES for c in culprits)
-                verdict.update(culprits=culprits, shared=not divergent and not self.failed_for(seq))
-                return culprits
-            finally:
-                with contextlib.suppress(ControlPlaneError):
-                    control.publish_verdict(seq, k, verdict)
-        wait = _timings.shared_verdict_wait(self.config)
-        shared = control.read_verdict(seq, k, timedelta(seconds=wait))
-        if (
-            shared is None
-            or not shared.get("shared")
-            or not isinstance(shared.get("culprits"), list)
-            or self._verdict_stale(control, shared)
-        ):
-            return self._diagnose_here(control, name, seq)
-        self._logger.debug("%s#%d: rank %s's diagnosis", name, seq, shared.get("by"))
-        return [c for c in shared["culprits"] if isinstance(c, dict)]
-
-    def _verdict_stale(self, control: ctl.ControlPlane, verdict: dict[str, Any]) -> bool:
-        """Whether a peer's shared verdict is older than ``heartbeat_timeout`` (this rank
-        came late): its author sent that many heartbeats since it published it. Counted in
-        the author's heartbeats, never by comparing the author's clock with this one's."""
-        by, beat = verdict.get("by"), verdict.get("beat")
-        if not isinstance(by, int) or isinstance(beat, bool) or not isinstance(beat, int):
-            return True
-        now = control.read_states([by]).get(by, {}).get("beat")
-        if isinstance(now, bool) or not isinstance(now, int):
-            return True
-        interval = self.config.heartbeat_interval.total_seconds()
-        return (now - beat) * interval > self.config.heartbeat_timeout.total_seconds()
-
-    def _diagnosis_window(self) -> float:
+    def diagnosis_window(self) -> float:
+        """Seconds a diagnosing rank waits for its peers' answers (see
+        :func:`._store_diagnosis.diagnose`)."""
         return _timings.diagnosis_window(self.config)
 
-    def _diagnose_here(
-        self, control: ctl.ControlPlane, name: str, seq: int
-    ) -> list[dict[str, Any]]:
-        """:meth:`diagnose`, by this rank: reads every other rank's state once, then those
-        that have not answered every 50 ms."""
-        others = [r for r in range(self.world_size) if r != self.rank]
-        request = control.request_diagnosis()
-        deadline = _clock.monotonic() + self._diagnosis_window()
-        answers: dict[int, dict[str, Any]] = {}
-        seen_at: dict[int, float] = {}  # when (monotonic) this process saw each answer
-        states = control.read_states(others)
-        while True:
-            for r, st in states.items():
-                seen = self.note_beat(r, st)
-                # Keep the first answer: the next heartbeat republishes it without the stack.
-                if r not in answers and (
-                    st.get("diag", 0) >= request or st.get("status") != "running"
-                ):
-                    answers[r] = st
-                    seen_at[r] = seen
-            if len(answers) == len(others) or self.failed_for(seq):
-                break
-            if _clock.monotonic() >= deadline:
-                break
-            _clock.sleep(0.05)
-            # Only the ranks that have not answered: with every survivor of a stuck rank
-            # diagnosing at once, re-reading all W states each round made W^2 reads a round.
-            states.update(control.read_states([r for r in others if r not in answers]))
-        culprits: list[dict[str, Any]] = []
-        verdicts: dict[int, dg.Verdict] = {}
-        ops: dict[int, str] = {}  # what the others issued at seq, for the majority rule
-        hb_timeout = self.config.heartbeat_timeout.total_seconds()
-        for r in others:
-            answered = r in answers
-            s = beat = answers.get(r, states.get(r, {}))
-            info = self.infos.get(r, {})
-            stopped = not answered and self.is_stopped(r)
-            running = not answered and not stopped and self.is_running(r)
-            if stopped:
-                # Stopped on this host: its board has what it was doing when it stopped.
-                s = with_board(beat, info)
-            if s.get("seq") == seq:
-                ops[r] = str(s.get("op"))
-            # How long it has been silent, by this process's clock: since this process saw
-            # its heartbeat change (its wall-clock "t" may come from a clock that is off).
-            silent_s = self.beat_age(r)
-            verdict = dg.what_blocks(
-                s,
-                answered=answered,
-                stopped=stopped,
-                running=running,
-                name=name,
-                seq=seq,
-                # what_blocks ages the heartbeat by its "t": give it this process's age.
-                now=_number(beat.get("t")) + silent_s,
-                recovery_phase=RECOVERY_PHASE,
-            )
-            if verdict is not None:
-                verdicts[r] = verdict
-                fresh = bool(beat) and silent_s < hb_timeout  # no state at all: not fresh
-                seen = seen_at[r] if r in seen_at else self.note_beat(r, beat)
-                extra = _culprit_extra(beat, s, silent_s, seen)
-                culprits.append(
-                    Culprit.record(
-                        r,
-                        what=verdict.what,
-                        blame=verdict.blame.name,
-                        info=info,
-                        state=s,
-                        stack=s.get("stack"),
-                        # A process on this host that exists and is not stopped counts
-                        # as alive even with a stale heartbeat (it may have just left a
-                        # C call that held the GIL): whether it is dead is the watchdog's
-                        # verdict, within heartbeat_timeout (see _check_heartbeats).
-                        alive=answered
-                        or running
-                        or (not stopped and (fresh or (self.is_local(r) and not self.is_gone(r)))),
-                        **extra,
-                    )
-                )
-        # Ranks that issued another collective at seq: the minority is to blame, which may
-        # be this rank itself (each side sees the other as different).
-        ruling = dg.majority_rule(self.rank, name, seq, verdicts, ops)
-        if isinstance(ruling, dg.Verdict):
-            me = Culprit.record(
-                self.rank,
-                what=ruling.what,
-                blame=ruling.blame.name,
-                info=self.identity,
-                state=self.snapshot(0),
-                alive=True,
-            )
-            return [me]
-        # Name root causes only (see dg.root_causes): ranked by blame, never by text.
-        kept = [c for c in culprits if c["rank"] in ruling]
-        named = dg.root_causes({c["rank"]: verdicts[c["rank"]] for c in kept})
-        return [c for c in kept if c["rank"] in named]
+    def next_diagnosis_round(self, key: tuple[int, int]) -> int:
+        """Count one more diagnosis round of op ``key`` (generation, seq) run or read by
+        this rank, and return its number (1 for the first)."""
+        self.diagnosis_rounds[key] = k = self.diagnosis_rounds.get(key, 0) + 1
+        return k
 
     def is_stopped(self, rank: int) -> bool:
         """Whether ``rank`` runs on this host and its process is stopped (SIGSTOP, a
@@ -1539,18 +1354,6 @@ def section(name: str, budget: timedelta | float | None = None) -> Iterator[None
         )
 
 
-def straggler_report(rt: Runtime, control: ctl.ControlPlane) -> dict[str, Any]:
-    """Every rank's median step compute time and the ranks slower than the group median
-    by more than ``config.straggler_margin``. One store round trip."""
-    states = control.read_states(list(range(rt.world_size)))
-    times = {r: float(s.get("compute_s", 0.0)) for r, s in states.items()}
-    measured = sorted(t for t in times.values() if t > 0)
-    median = measured[len(measured) // 2] if measured else 0.0
-    limit = median * (1 + rt.config.straggler_margin)
-    slow = sorted(r for r, t in times.items() if median > 0 and t > limit)
-    return {"median_s": median, "compute_s": times, "stragglers": slow}
-
-
 @contextmanager
 def phase(name: str) -> Iterator[None]:
     """Mark the phase of the current step (shown to peers when this rank fails)."""
@@ -1572,42 +1375,3 @@ def in_own_wait(inside: object, phase: object) -> bool:
     call, elastic recovery, an admission): bounded by the library, so never judged stuck
     by its progress signals."""
     return bool(inside) or phase == RECOVERY_PHASE
-
-
-def _culprit_extra(
-    beat: dict[str, Any], state: dict[str, Any], silent_s: float, seen: float
-) -> dict[str, Any]:
-    """What a diagnosis adds to a late rank's culprit from its last heartbeat ``beat``
-    (``state``: its state as judged), ``silent_s`` seconds old by this process's clock
-    and first seen at ``seen`` (this process's monotonic clock)."""
-    extra: dict[str, Any] = {}
-    if not state.get("board"):
-        # Its heartbeat's age by this process's clock (the one Culprit.record would compute
-        # compares its wall-clock "t" with this host's). A board (a stopped rank on this
-        # host) is read now: Culprit.record's age of it stands.
-        extra["state_age"] = round(silent_s, 3)
-    idle = beat.get("idle")
-    if isinstance(idle, (int, float)) and not isinstance(idle, bool):
-        # Busy or stuck (see Op._stuck): seconds since its progress signals last moved,
-        # measured by its own clock; what moved; where it is.
-        extra["idle"] = float(idle)
-        moving = beat.get("moving")
-        extra["moving"] = [str(m) for m in moving] if isinstance(moving, list) else []
-        extra["where"] = str(beat.get("where", ""))
-        # In one of the library's own waits (elastic recovery, an admission): bounded by
-        # the library, not judged by progress.
-        extra["inside"] = in_own_wait(beat.get("inside"), state.get("phase"))
-    if beat.get("section_left") is not None:
-        # Seconds left in its section's budget now: what it published with that heartbeat,
-        # less the time since this process saw that heartbeat (a relative duration: the
-        # peers' clocks are never compared).
-        since = _clock.monotonic() - seen
-        extra["busy_left"] = max(0.0, _number(beat["section_left"]) - since)
-    return extra
-
-
-def _number(value: Any) -> float:
-    """``value`` as a float (a published field), 0.0 if it is not a finite number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return 0.0
-    return float(value) if abs(float(value)) < float("inf") else 0.0

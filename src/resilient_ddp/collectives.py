@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as ctl
-from . import _events, _progress, _timings
+from . import _events, _progress, _store_diagnosis, _timings
 from ._backend import comm_device
 from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
 from ._events import rank_log
@@ -241,7 +241,7 @@ class Op:
             self.budget_s = self.attempt_s
             if attempts > 1:
                 self.attempt_s = max(_MIN_SLICE_S, self.budget_s / attempts)
-            self._lead = min(rt._diagnosis_window(), self.budget_s / 2)
+            self._lead = min(rt.diagnosis_window(), self.budget_s / 2)
         else:
             if budget is None and cfg.op_budget is None and attempts > 1:
                 # Room for every attempt the policy allows, and the pauses between them.
@@ -628,7 +628,7 @@ class Op:
             # could block for good. Wait on: failed_for decides whether the control plane
             # is lost (or the store only fell behind) within heartbeat_timeout.
             return time.monotonic() + rt.config.heartbeat_interval.total_seconds()
-        culprits = rt.diagnose(rt.control, self.name, self.seq)
+        culprits = _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq)
         stuck = self._stuck(culprits)
@@ -814,7 +814,7 @@ class Op:
     def _explain_backend_error(self, error: BaseException) -> None:
         rt = self.rt
         self._raise_watchdog_verdict(error)
-        culprits = rt.diagnose(rt.control, self.name, self.seq)
+        culprits = _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq) from error
         if not culprits and self.may_retry:

@@ -38,7 +38,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
-from . import _exit_guard, _progress, _runtime, _timings, elastic
+from . import _exit_guard, _progress, _runtime, _store_diagnosis, _timings, elastic
 from ._backend import nccl_version
 from ._elastic_protocol import ShrinkDecision
 from ._runtime import PendingOp, Runtime
@@ -892,7 +892,7 @@ class ResilientDDP(DistributedDataParallel):
         rt = _runtime.current()
         if rt is None:
             return {"median_s": 0.0, "compute_s": {}, "stragglers": []}
-        return _runtime.straggler_report(rt, rt.control)
+        return _store_diagnosis.straggler_report(rt, rt.control)
 
     @property
     def resilience_stats(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from . import _control as ctl
-from . import _events, _guest
+from . import _events, _guest, _store_diagnosis
 from . import _work_pool as wp
 from ._events import rank_log
 from ._progress import progress as _mark_progress
@@ -1457,7 +1457,7 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
                         seen[r] = (done, now)
                 pending = [r for r in pending if seen[r][0] < shares[r]]
                 if any(now - seen[r][1] > o.attempt_s for r in pending):
-                    o.raise_timeout(rt.diagnose(rt.control, o.name, o.seq))
+                    o.raise_timeout(_store_diagnosis.diagnose(rt, rt.control, o.name, o.seq))
             time.sleep(interval)
             finished = rt.control.inference_finished(call)
     finally:

@@ -520,7 +520,7 @@ class Watchdog(threading.Thread):
     def _check_stragglers(self) -> None:
         """Rank 0: warn (once per episode) about a rank slower than the group median by more
         than the margin on three checks in a row. Never an error."""
-        from ._runtime import straggler_report
+        from ._store_diagnosis import straggler_report
 
         self._next_straggler_check = time.monotonic() + self._straggler_every
         report = straggler_report(self.rt, self.control)
