@@ -61,9 +61,17 @@ def train(
     epochs: int,
     cfg: dict[str, Any],
     pace: float = 0.0,
+    start: str | None = None,
 ) -> dict[str, Any]:
     """``_elastic_workers.train`` over ``ElasticDataLoader(**LOADER)``; fault kinds also
-    ``killfetch`` and ``raisefetch`` (in the sampler's planning of a prefetched batch)."""
+    ``killfetch`` and ``raisefetch`` (in the sampler's planning of a prefetched batch).
+
+    ``start`` is how the loader starts its workers (DataLoader's ``multiprocessing_context``).
+    ``None`` keeps this process's start method, which a rank inherits from its launcher:
+    under the test harness's fork server each worker is then a new interpreter that
+    imports torch (2-5 s for a replacement's two workers on 2 cores). ``"fork"`` copies
+    the rank instead (milliseconds), as DataLoader does by default in a rank that torchrun
+    started (Linux, Python before 3.14)."""
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(100, exit=True)
     rd.init_process_group("gloo", config=w._cfg(**cfg))
@@ -71,7 +79,9 @@ def train(
     model = rd.ResilientDDP(w._model())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sampler = ElasticBatchSampler(w.N_SAMPLES, w.BATCH, seed=3)
-    loader = ElasticDataLoader(Indexed(), batch_sampler=sampler, **LOADER)
+    loader = ElasticDataLoader(
+        Indexed(), batch_sampler=sampler, multiprocessing_context=start, **LOADER
+    )
     armed: list[str] = []
     _arm_fetch(sampler, armed)
     log_path = os.path.join(out_dir, f"{os.getpid()}.jsonl")

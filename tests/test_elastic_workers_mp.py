@@ -33,11 +33,15 @@ from . import _elastic_loader_workers as lw
 from .test_elastic_mp import _check_job
 
 
-def _run(out_dir: Path, faults: list[dict[str, Any]], epochs: int, seconds: int) -> Any:
+def _run(
+    out_dir: Path, faults: list[dict[str, Any]], epochs: int, seconds: int, start: str | None = None
+) -> Any:
+    """The job of 4 ranks; ``start``: how each rank's loader starts its workers (see
+    ``_elastic_loader_workers.train``; ``None``: the rank's own start method)."""
     return run_ranks(
         lw.train,
         4,
-        (str(out_dir), faults, epochs, {}, 0.01),
+        (str(out_dir), faults, epochs, {}, 0.01, start),
         timeout=timedelta(seconds=seconds),
         restarts=len(faults),
     )
@@ -78,7 +82,8 @@ def test_prefetching_workers_through_a_kill_a_raise_and_a_fault_mid_prefetch(
 ) -> None:
     """Three faults one after another: SIGKILL 0-20 ms into a step, SIGKILL while the
     sampler plans a prefetched batch, and an exception there; each time a replacement
-    joins."""
+    joins. The workers start as the rank's own start method has them (the test harness's
+    fork server: each a new interpreter), the case of ``rd.spawn`` and Python 3.14."""
     kinds = ["killmid", "killfetch", "raisefetch"]
     faults = [{**f, "kind": kinds[i]} for i, f in enumerate(_plan(5, 3, kinds))]
     _check(_run(tmp_path, faults, 200, 100), tmp_path, faults)
@@ -90,10 +95,16 @@ def test_prefetching_workers_through_a_kill_a_raise_and_a_fault_mid_prefetch(
 def test_prefetching_workers_fault_matrix_twenty_seeded_faults(kind: str, tmp_path: Path) -> None:
     """The issue's proof: 20 seeded faults of one kind per run (kill before the forward,
     0-20 ms into the step, or while a prefetched batch is planned; raise before the
-    forward or there), 4 ranks with 2 prefetching persistent workers each."""
+    forward or there), 4 ranks with 2 prefetching persistent workers each.
+
+    The workers are forks of their rank (DataLoader's default under torchrun): started by
+    the harness's fork server, the 48 workers of a run would each import torch afresh,
+    which made most of its time (about 100 s against 15 s on 2 cores). Workers that a fork
+    server starts are covered by the three-fault test above and by
+    ``test_workers_end_with_a_killed_rank``."""
     kinds = {"kill": ["kill", "killmid", "killfetch"], "raise": ["raise", "raisefetch"]}[kind]
     faults = _plan(17 + len(kind), 20, kinds)
-    _check(_run(tmp_path, faults, 400, 540), tmp_path, faults)
+    _check(_run(tmp_path, faults, 400, 540, start="fork"), tmp_path, faults)
 
 
 # -- single process ----------------------------------------------------------------------------
