@@ -50,6 +50,7 @@ from .errors import (
     PreflightError,
     RankFailureError,
     ResilientDDPError,
+    forget_frames,
     format_rank_table,
 )
 from .membership import _group_users, release_retired
@@ -726,6 +727,9 @@ class ResilientDDP(DistributedDataParallel):
             load=self._rd_load,
         )
         rt.elastic_state().rebuild = True
+        # Recovered: the failure's frames hold the old generation's works and reducer,
+        # which must go with its group, not whenever the garbage collector runs.
+        forget_frames(cause)
         # A skipped step's backward still runs through the old reducer's hooks.
         self._rd_release_stuck_reducer()
         return dec
