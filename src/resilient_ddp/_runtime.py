@@ -133,7 +133,11 @@ class PendingOp:
         try:
             value = fut.value()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            self.backend_error = e
+            # Kept without its traceback: when the backend failed the work before the op
+            # was tracked, this runs inside attach_future, and the traceback's frames (and
+            # their callers': the comm hook's, which holds the work) would stay alive with
+            # this op, in a cycle with it (see errors.forget_frames).
+            self.backend_error = e.with_traceback(None)
         self.done = True
         if self.backend_error is not None and self.future is not None and not self.hold:
             # The waiting thread explains it with a typed error; this only keeps a consumer

@@ -50,9 +50,10 @@ from .errors import (
     PreflightError,
     RankFailureError,
     ResilientDDPError,
+    forget_frames,
     format_rank_table,
 )
-from .membership import _group_users, release_retired
+from .membership import _group_users, leave_behind, release_retired
 from .process_group import ensure_runtime
 
 __all__ = ["ResilientDDP", "make_resilient"]
@@ -90,9 +91,6 @@ _LOCAL_STATE = (
     "_rd_div",
     "_rd_hook_name",
 )
-# Reducers (with DDP's logger) whose bucket exchange is still stuck in the backend; see
-# ResilientDDP._rd_rebuild_reducer.
-_left_behind: list[Any] = []
 
 
 class NoTrainableParametersError(ConfigError, RuntimeError):
@@ -726,6 +724,9 @@ class ResilientDDP(DistributedDataParallel):
             load=self._rd_load,
         )
         rt.elastic_state().rebuild = True
+        # Recovered: the failure's frames hold the old generation's works and reducer,
+        # which must go with its group, not whenever the garbage collector runs.
+        forget_frames(cause)
         # A skipped step's backward still runs through the old reducer's hooks.
         self._rd_release_stuck_reducer()
         return dec
@@ -800,12 +801,13 @@ class ResilientDDP(DistributedDataParallel):
         the reducer or DDP's logger would wait for it with the GIL held (the process
         freezes), and so would the reducer's autograd hooks in the next backward pass. So
         its hooks are taken off the parameters (what its destructor would do) and the
-        objects are kept for good (the exit guard is armed).
+        objects are kept (the exit guard is armed) until the exchange ends, then released
+        with the retired groups (:func:`membership.leave_behind`).
         """
         worker, self._rd_bucket_thread = self._rd_bucket_thread, None
         if worker is not None and worker.is_alive():
             self.reducer._remove_autograd_hooks()
-            _left_behind.append((self.reducer, getattr(self, "logger", None), worker))
+            leave_behind(self.process_group, self.reducer, getattr(self, "logger", None), worker)
 
     def _rd_snapshot(self) -> dict[str, Any]:
         """What a survivor or joiner takes over from the state source."""

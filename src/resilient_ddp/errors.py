@@ -247,6 +247,31 @@ def failure_message(head: str, culprits: Sequence[Culprit], *, named: str = "cul
     return f"{head}; {named} rank(s): {ranks}\n" + "\n".join(c.describe() for c in culprits)
 
 
+def forget_frames(error: BaseException) -> None:
+    """Drop the tracebacks of ``error`` and of the errors it chains (``__cause__``,
+    ``__context__``), in place; their messages and types stay.
+
+    A traceback keeps every frame it passed through alive, each frame its locals, and
+    each frame its callers (``f_back``). A failure the library recovers from was raised
+    through frames that hold the failed generation's backend objects (a bucket's gloo
+    work in ``_resilient_hook``, the pass's works in ``_rd_finish_backward``, the old
+    reducer in ``_rd_sync_buckets``), and most of those frames also hold the error (``cause
+    = e``), a reference cycle that only the garbage collector breaks. Until it runs, in
+    whichever thread and at whatever point it happens to, the old generation's gloo
+    context outlives the release of its group (:func:`membership.release_retired`): its
+    device's thread, epoll descriptor, pipe, listening socket and connections stay open.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+
+
 def format_rank_table(
     table: Mapping[int, Mapping[str, object]], columns: Sequence[str], missing: Sequence[int] = ()
 ) -> str:

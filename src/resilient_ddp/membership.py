@@ -188,6 +188,9 @@ def join_control_plane(rt: Runtime, timeout: timedelta | None = None) -> None:
 _retiring: list[tuple[Any, list[Any]]] = []
 # Models whose reducer may hold a retired group (ResilientDDP adds itself).
 _group_users: weakref.WeakSet[Any] = weakref.WeakSet()
+# Reducers (each with DDP's logger and the group it holds) left behind while a thread was
+# stuck in their bucket exchange, with that thread: see leave_behind.
+_left_behind: list[tuple[Any, Any, Any, threading.Thread]] = []
 # Releases still blocked in the backend after release_retired stopped waiting for them.
 _releasing: list[threading.Thread] = []
 # How long release_retired waits for the backend to let a group go, before it leaves the
@@ -199,6 +202,15 @@ def retire_group(group: Any, works: list[Any]) -> None:
     """Keep ``group`` (just destroyed: a new generation replaces it) and its failed
     ``works`` until :func:`release_retired` can let them go safely."""
     _retiring.append((group, list(works)))
+
+
+def leave_behind(group: Any, reducer: Any, logger: Any, worker: threading.Thread) -> None:
+    """Keep ``reducer`` and DDP's ``logger`` (both hold ``group``) while ``worker`` is
+    stuck in their bucket exchange: destructing either would wait for it with the GIL
+    held (the exchange holds the reducer's mutex). :func:`release_retired` lets them go,
+    with the group's handle, once ``worker`` has ended (on a dead peer, as soon as the
+    backend notices; on a stopped one, at the backend's timeout)."""
+    _left_behind.append((group, reducer, logger, worker))
 
 
 def release_retired(wait_s: float = _RELEASE_WAIT_S) -> None:
@@ -220,18 +232,30 @@ def release_retired(wait_s: float = _RELEASE_WAIT_S) -> None:
     background (the exit guard is armed: the process must not run the backend's
     destructors at exit), and ends once the op does: the peer's connection closes, or the
     backend's timeout passes. Call it from the main thread.
+
+    Reducers left behind (:func:`leave_behind`) whose stuck thread has ended go with
+    them: before their group's handle, which the helper drops last.
     """
     in_use = [
         m.__dict__.get("process_group") for m in list(_group_users) if "reducer" in m.__dict__
     ]
     free_ids = {id(e[0]) for e in _retiring if not any(u is e[0] for u in in_use)}
     _releasing[:] = [t for t in _releasing if t.is_alive()]
-    if not free_ids:
+    unstuck = [e for e in _left_behind if not e[3].is_alive()]
+    if not free_ids and not unstuck:
         return
     # Handed over in a box that the helper empties: no frame of this thread may keep a
-    # reference (its last one would then be dropped here, where the op may block).
-    box = [[e for e in _retiring if id(e[0]) in free_ids]]
+    # reference (its last one would then be dropped here, where the op may block). The
+    # helper pops from the end: a left-behind reducer and logger go before any handle of
+    # their group (a tuple drops its items last to first: the logger, the reducer, then
+    # the group's handle, whose destructor releases the GIL).
+    box: list[list[tuple[Any, ...]]] = [
+        [e for e in _retiring if id(e[0]) in free_ids] + [e[:3] for e in unstuck]
+    ]
     _retiring[:] = [e for e in _retiring if id(e[0]) not in free_ids]
+    gone = {id(e) for e in unstuck}
+    _left_behind[:] = [e for e in _left_behind if id(e) not in gone]
+    del unstuck
     worker = threading.Thread(
         target=_release, args=(box,), name="resilient_ddp-release", daemon=True
     )
@@ -244,7 +268,7 @@ def release_retired(wait_s: float = _RELEASE_WAIT_S) -> None:
         _releasing.append(worker)
 
 
-def _release(box: list[list[tuple[Any, list[Any]]]]) -> None:
+def _release(box: list[list[tuple[Any, ...]]]) -> None:
     entries = box.pop()
     t0 = time.monotonic()
     n = len(entries)
@@ -252,4 +276,4 @@ def _release(box: list[list[tuple[Any, list[Any]]]]) -> None:
         # The popped entry is dropped at once: torch's handle releases the GIL while the
         # group's destructor joins its threads and closes its connections.
         entries.pop()
-    log.debug("released %d retired process group(s) in %.3f s", n, time.monotonic() - t0)
+    log.debug("released %d retired group(s) or reducer(s) in %.3f s", n, time.monotonic() - t0)
