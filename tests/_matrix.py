@@ -183,6 +183,11 @@ def check_survivor(
     problems: list[str],
 ) -> Any:
     """A survivor raised our type, naming the culprit, within the bound."""
+    if res is None and observer_killed(run):
+        # Lightning's child observer polls every 5 s and SIGKILLs every rank once one
+        # exited non-zero: a poll soon after the culprit's death ends the survivors before
+        # they name it (its log line is the evidence; without it, no record is a failure).
+        return "killed by its launcher's observer before it raised"
     if res is None or res.get("type") is None:
         said = "finished training without an error" if res else "recorded no result"
         problems.append(f"rank {r} {said} (exit code {run.codes.get(r, '?')})")
@@ -207,6 +212,17 @@ def check_survivor(
     }
 
 
+def observer_killed(run: Run) -> bool:
+    """Whether a sibling-killing launcher (Lightning's child observer) says it killed the
+    ranks: its log line is in a rank's log."""
+    if not run.kills_siblings:
+        return False
+    return any(
+        "Forcefully terminating all other processes" in p.read_text(errors="replace")
+        for p in run.out.glob("log*.txt")
+    )
+
+
 def check_culprit(
     fault: str,
     res: dict[str, Any] | None,
@@ -228,7 +244,7 @@ def check_culprit(
         return f"raised {res['type']} naming itself{after} (exit code {code}): {first_line(res)}"
     if code == UNRESPONSIVE_EXIT_CODE:
         return f"exited with code {UNRESPONSIVE_EXIT_CODE} (unresponsive)"
-    if res is None and run.kills_siblings:
+    if res is None and observer_killed(run):
         # Its end is checked by check_ended; the survivors named it (check_survivor). The
         # launcher's poll lands anywhere in 5 s after a survivor exits, the hung rank's own
         # error about 0.5 s after the survivors' (fabric/hang, 1 run in about 10 killed first).
