@@ -295,7 +295,7 @@ def _pieces(
     buffer and one entry's pickle, never a growing stream that reallocates (which held
     two pieces at once). An entry larger than the buffer gets a piece of its own size.
     """
-    per_entry = _LEN * (2 if idx is not None else 1)  # its length, and its index
+    idx_len = _LEN if idx is not None else 0  # each entry's index, in the piece's tail
     out = bytearray(chunk_bytes)
     pending: memoryview | None = None  # an entry pickled that did not fit the last piece
     start = 0
@@ -304,11 +304,14 @@ def _pieces(
         while end < len(entries):
             blob = pending if pending is not None else _pickled(entries[end])
             pending = None
-            if used + per_entry * (end - start + 1) + len(blob) + 2 * _LEN > len(out):
+            # Written so far, this entry behind its length, then the tail: the indices of
+            # the piece's entries and the two counters.
+            tail_len = idx_len * (end - start + 1) + 2 * _LEN
+            if used + _LEN + len(blob) + tail_len > len(out):
                 if end > start:
                     pending = blob
                     break
-                out = bytearray(per_entry + len(blob) + 2 * _LEN)  # one entry, larger
+                out = bytearray(_LEN + len(blob) + tail_len)  # one entry, larger
             view = memoryview(out)
             view[used : used + _LEN] = len(blob).to_bytes(_LEN, "little")
             view[used + _LEN : used + _LEN + len(blob)] = blob
