@@ -127,12 +127,16 @@ def test_gather_memory_of_a_sending_rank_stays_near_its_own_data() -> None:
     assert all(o.exitcode == 0 for o in outcomes), format_outcomes(outcomes)
     got = {o.rank: o.value for o in outcomes}
     assert got[0]["items"] == 3 * mib * 256, got  # every row reached rank 0
-    # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece and one row's pickle
-    # (+4.1 MiB measured). Growing pieces by reallocation cost two pieces and more (+8 to
-    # +12 MiB, once +25 MiB in CI); the list-based all_gather_object costs twice the data.
+    # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece and one row's pickle.
+    # The Python heap's peak says so exactly (tracemalloc); growing pieces by reallocation
+    # held two pieces and more, and the list-based all_gather_object holds twice the data.
+    # The resident peak also counts copies on the C++ side, but moves by several MiB with
+    # malloc's caching and reclaimed code pages (+4 MiB quiet, +14 MiB once in CI), so it
+    # bounds only a copy of the data.
     for r in (1, 2):
-        grew = got[r]["grew"]
-        assert grew < 3 * chunk_mib, f"rank {r}'s peak grew by {grew:.1f} MiB sending {mib} MiB"
+        py_peak, grew = got[r]["py_peak"], got[r]["grew"]
+        assert py_peak < chunk_mib + 0.5, f"rank {r}: Python heap peaked {py_peak:.2f} MiB up"
+        assert grew < mib / 2, f"rank {r}'s peak grew by {grew:.1f} MiB sending {mib} MiB"
     # Rank 0 holds everyone's: at least the other two ranks' data.
     assert got[0]["grew"] > 1.5 * mib, got
 
