@@ -297,7 +297,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     set_start_method(method, preload=_PRELOAD if method == "forkserver" else ())
 
 
-# The longest test files (minutes of wall time on 2 cores), longest first; the first two
+# The longest test files (20 s to a few minutes each on 2 cores), longest first; the first two
 # pair a file that keeps both cores busy (cold starts of the frameworks) with one that
 # mostly waits (the elastic fault matrices' timeouts). `nox -s tests` hands whole files to
 # its two workers in collection order (--dist loadfile --no-loadscope-reorder), so these
@@ -309,28 +309,28 @@ LONGEST_FILES = (
     "test_frameworks_mp.py",
     "test_elastic_mp.py",
     "test_docs.py",
-    "test_demo.py",
-    "test_busy_mp.py",
-    "test_ddp_mp.py",
-    "test_collectives_mp.py",
-    "test_hostile_default.py",
-    "test_control_plane_field.py",
-    "test_torchrun_mp.py",
-    "test_exit.py",
     "test_launchers_mp.py",
-    "test_elastic_workers_mp.py",
+    "test_busy_mp.py",
+    "test_torchrun_mp.py",
     "test_inference_pool_mp.py",
-    "test_dropin_ddp.py",
-    "test_inference_mp.py",
+    "test_collectives_mp.py",
     "test_store_lag.py",
-    "test_torch_ddp_suite.py",
+    "test_exit.py",
+    "test_elastic_workers_mp.py",
+    "test_ddp_mp.py",
+    "test_hostile_default.py",
+    "test_demo.py",
+    "test_control_plane_field.py",
+    "test_inference_mp.py",
     "test_preflight_mp.py",
+    "test_dropin_ddp.py",
     "test_field_mp.py",
     "test_doctor.py",
     "test_dropin_start.py",
     "test_generation_leaks.py",
     "test_dropin_errors.py",
     "test_sampler.py",
+    "test_torch_ddp_suite.py",
 )
 
 
