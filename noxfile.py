@@ -33,8 +33,12 @@ def tests(session: nox.Session) -> None:
     # The frameworks' extras: tests/test_frameworks_mp.py runs their real packages.
     session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
     # Two workers, a test file at a time each (module fixtures stay whole; the docs' sample
-    # runner starts its samples once). ``-- -n 0`` runs everything in one process.
-    session.run("pytest", "-n", "2", "--dist", "loadfile", *session.posargs)
+    # runner starts its samples once), in collection order: tests/conftest.py puts the
+    # longest files first (LONGEST_FILES), which xdist's default reordering (by number of
+    # tests) would undo. ``-- -n 0`` runs everything in one process.
+    session.run(
+        "pytest", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", *session.posargs
+    )
 
 
 @nox.session(python=None)

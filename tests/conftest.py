@@ -261,6 +261,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.fixture
+def rank_start(request: pytest.FixtureRequest) -> str:
+    """How this session starts ranks (``--rank-start``), for a test that calls
+    :func:`resilient_ddp.launch.launch` itself: ``run_ranks`` follows it already."""
+    return str(request.config.getoption("--rank-start"))
+
+
 # What every rank of the multi-process tests imports: the fork server imports it once.
 _PRELOAD = (
     "torch",
@@ -290,7 +297,47 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     set_start_method(method, preload=_PRELOAD if method == "forkserver" else ())
 
 
+# The longest test files (20 s to a few minutes each on 2 cores), longest first; the first two
+# pair a file that keeps both cores busy (cold starts of the frameworks) with one that
+# mostly waits (the elastic fault matrices' timeouts). `nox -s tests` hands whole files to
+# its two workers in collection order (--dist loadfile --no-loadscope-reorder), so these
+# start first and the run ends on short files: a long file started last would run alone
+# while the other worker has nothing left. Only the wall time depends on this order; a
+# file not listed runs after these, in the usual order (tests/test_harness.py checks that
+# every name here is a test file).
+LONGEST_FILES = (
+    "test_frameworks_mp.py",
+    "test_elastic_mp.py",
+    "test_docs.py",
+    "test_launchers_mp.py",
+    "test_busy_mp.py",
+    "test_torchrun_mp.py",
+    "test_inference_pool_mp.py",
+    "test_collectives_mp.py",
+    "test_store_lag.py",
+    "test_exit.py",
+    "test_elastic_workers_mp.py",
+    "test_ddp_mp.py",
+    "test_hostile_default.py",
+    "test_demo.py",
+    "test_control_plane_field.py",
+    "test_inference_mp.py",
+    "test_preflight_mp.py",
+    "test_dropin_ddp.py",
+    "test_field_mp.py",
+    "test_doctor.py",
+    "test_dropin_start.py",
+    "test_generation_leaks.py",
+    "test_dropin_errors.py",
+    "test_sampler.py",
+    "test_torch_ddp_suite.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Stable: the tests of a file, and the files not listed, keep their order.
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
     if not config.getoption("--skip-slow"):
         return
     skip = pytest.mark.skip(reason="slow: skipped with --skip-slow")

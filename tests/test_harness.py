@@ -68,3 +68,16 @@ def test_ranks_see_the_parents_environment_as_it_is_now(monkeypatch: pytest.Monk
     monkeypatch.setenv("RD_HARNESS_PROBE", "set-late")
     outcomes = run_ranks(_read_env, 2, timeout=timedelta(seconds=60), start_method="forkserver")
     assert [o.value for o in outcomes] == ["set-late", "set-late"], format_outcomes(outcomes)
+
+
+def test_the_longest_files_listed_for_scheduling_exist() -> None:
+    """conftest's LONGEST_FILES (started first by ``nox -s tests``) names test files that
+    exist: a renamed file would silently lose its place."""
+    from pathlib import Path
+
+    from .conftest import LONGEST_FILES
+
+    here = Path(__file__).resolve().parent
+    missing = [name for name in LONGEST_FILES if not (here / name).is_file()]
+    assert not missing, missing
+    assert len(set(LONGEST_FILES)) == len(LONGEST_FILES)
