@@ -13,7 +13,6 @@ import pytest
 import torch.distributed as dist
 
 from resilient_ddp import _control as ctl
-from resilient_ddp._elastic_protocol import ack_key
 from resilient_ddp.launch import launch
 from resilient_ddp.testing import format_outcomes, run_ranks
 
@@ -388,8 +387,36 @@ def test_the_admission_bound_is_the_largest_acknowledged_step_once_all_acknowled
     assert jobs.missing_acks(2, 1, 3) == []
     assert jobs.ack_bound(2, 2, 3) is None  # another round: its own acknowledgements
     assert jobs.ack_bound(3, 1, 3) is None  # another generation
-    jobs.root.set(ack_key(2, 1, 1), "garbage")  # not a sealed record: never believed
+    jobs.root.set(ctl.JobKeys.ack(2, 1, 1), "garbage")  # not a sealed record: never believed
     assert jobs.ack_bound(2, 1, 3) is None
+
+
+# Acknowledgements (generation, requests, rank) -> whether every rank of generation 3 (3
+# ranks) acknowledged 2 requests: only acknowledgements of that generation and count count.
+ACKS = [
+    pytest.param([(3, 2, 0), (3, 2, 1), (3, 2, 2)], True, id="all-acked"),
+    pytest.param([(3, 2, 0), (3, 2, 1)], False, id="one-missing"),
+    pytest.param([(3, 2, 0), (3, 2, 1), (3, 1, 2)], False, id="stale-count-request-since"),
+    pytest.param([(3, 2, 0), (3, 2, 1), (2, 2, 2)], False, id="stale-generation"),
+    pytest.param([(3, 2, 0), (3, 2, 1), (3, 2, 3)], False, id="rank-outside-world"),
+    pytest.param(
+        [(3, 1, 0), (3, 1, 1), (3, 1, 2), (3, 2, 0), (3, 2, 1), (3, 2, 2)],
+        True,
+        id="older-round-left-behind",
+    ),
+]
+
+
+@pytest.mark.parametrize(("acks", "complete"), ACKS)
+def test_acks_complete_only_with_every_rank_of_the_generation_and_count(
+    acks: list[tuple[int, int, int]], complete: bool
+) -> None:
+    jobs = ctl.JobStore(ctl.root_prefix(dist.HashStore(), "job", "secret"))
+    for gen, requests, rank in acks:
+        jobs.ack(gen, requests, rank, committed=10 + rank)
+    assert (jobs.ack_bound(3, 2, 3) is not None) is complete
+    assert (jobs.missing_acks(3, 2, 3) == []) is complete
+    assert ctl.JobKeys.ack(3, 2, 1) == "grow/g3/n2/ack/1"
 
 
 def test_a_member_that_acknowledged_keeps_looking_until_its_generation_ends() -> None:

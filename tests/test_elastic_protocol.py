@@ -18,12 +18,9 @@ import torch.distributed as dist
 from resilient_ddp import _control as ctl
 from resilient_ddp import elastic
 from resilient_ddp._elastic_protocol import (
-    Ack,
     Admission,
     Proposal,
     ShrinkDecision,
-    ack_key,
-    acks_complete,
     decide_admission,
     decide_shrink,
     members_digest,
@@ -935,26 +932,6 @@ def test_admission_json_round_trip() -> None:
 
 
 # -- acknowledgements ------------------------------------------------------------------------
-# acks -> complete, for generation 3 of 3 ranks with 2 requests seen
-ACKS = [
-    pytest.param([Ack(3, 2, 0), Ack(3, 2, 1), Ack(3, 2, 2)], True, id="all-acked"),
-    pytest.param([Ack(3, 2, 0), Ack(3, 2, 1)], False, id="one-missing"),
-    pytest.param([Ack(3, 2, 0), Ack(3, 2, 1), Ack(3, 1, 2)], False, id="stale-count-request-since"),
-    pytest.param([Ack(3, 2, 0), Ack(3, 2, 1), Ack(2, 2, 2)], False, id="stale-generation"),
-    pytest.param([Ack(3, 2, 0), Ack(3, 2, 1), Ack(3, 2, 3)], False, id="rank-outside-world"),
-    pytest.param(
-        [Ack(3, 1, 0), Ack(3, 1, 1), Ack(3, 1, 2), Ack(3, 2, 0), Ack(3, 2, 1), Ack(3, 2, 2)],
-        True,
-        id="older-round-left-behind",
-    ),
-]
-
-
-@pytest.mark.parametrize(("acks", "complete"), ACKS)
-def test_acks_complete(acks: list[Ack], complete: bool) -> None:
-    assert acks_complete(acks, 3, generation=3, requests=2) is complete
-
-
 @pytest.mark.parametrize(
     ("acked", "need"),
     [
@@ -966,11 +943,6 @@ def test_acks_complete(acks: list[Ack], complete: bool) -> None:
 )
 def test_needs_ack(acked: tuple[int, int], need: bool) -> None:
     assert needs_ack(acked, generation=3, requests=2) is need
-
-
-def test_ack_key_is_per_generation_count_and_rank() -> None:
-    assert ack_key(3, 2, 1) == "grow/g3/n2/ack/1"
-    assert Ack(3, 2, 1).key == "grow/g3/n2/ack/1"
 
 
 # -- pending joiners -------------------------------------------------------------------------

@@ -27,7 +27,9 @@ RUNTIME_NAMES = frozenset({"rt", "rt0", "_rt", "runtime"})
 #: Attributes that hold a runtime (``self.rt``, ``pool.rt``, ``self._rt``).
 RUNTIME_ATTRS = frozenset({"rt", "_rt", "runtime"})
 #: Functions that return a runtime (``_runtime.current()``, ``ensure_runtime()``...).
-RUNTIME_FACTORIES = frozenset({"ensure_runtime", "_guest_runtime", "Runtime"})
+RUNTIME_FACTORIES = frozenset(
+    {"ensure_runtime", "_guest_runtime", "Runtime", "of_group", "of_joiner", "of_guest"}
+)
 #: Methods that change a container in place.
 MUTATORS = frozenset(
     {
@@ -182,6 +184,35 @@ def test_no_write_to_a_runtime_from_outside_its_module() -> None:
         "writes to a Runtime's attributes outside _runtime.py ((module, attribute): lines); "
         f"add a method to Runtime that names the change and call it instead: {new}"
     )
+
+
+def _constructions() -> list[str]:
+    """Where the package makes a runtime, as ``module:line``: a call of ``Runtime(...)``,
+    or of ``cls(...)`` in one of ``Runtime``'s class methods."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        name = ".".join(path.relative_to(PKG).with_suffix("").parts)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Runtime":
+                found.append(f"{name}:{node.lineno}")
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Runtime"):
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and "classmethod" in map(
+                    ast.unparse, fn.decorator_list
+                ):
+                    for node in ast.walk(fn):
+                        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "cls":
+                            found.append(f"{name}.Runtime.{fn.name}:{node.lineno}")
+    return found
+
+
+def test_one_place_creates_a_runtime() -> None:
+    """Runtimes come only from ``Runtime``'s named constructors (``of_group``,
+    ``of_joiner``, ``of_guest``), whose ``cls(...)`` calls are the only constructions."""
+    made = _constructions()
+    assert all(m.startswith("_runtime.Runtime.of_") for m in made), made
+    assert len(made) == 3, made
 
 
 def test_the_known_writes_are_still_there() -> None:

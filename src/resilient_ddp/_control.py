@@ -107,7 +107,6 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _clock
-from ._elastic_protocol import ack_key
 from ._events import plain_log
 from .errors import ControlPlaneError, Culprit
 
@@ -1227,6 +1226,68 @@ def _slot(key: str, i: int) -> str:
     return key if i == 0 else f"{key}/{i}"
 
 
+class JobKeys:
+    """The spelling of every job-level key of the module's second table, in one place:
+    :class:`JobStore` writes and reads them, :meth:`JobStore.forget_generation` deletes
+    them, and ``elastic`` names its rounds and decisions with them."""
+
+    @staticmethod
+    def retry(generation: int, seq: int, attempt: int) -> str:
+        """Group-retry votes for op ``seq``'s ``attempt`` (``/abort``, ``/gen`` below)."""
+        return f"{generation_prefix(generation)}/retry/{seq}/{attempt}"
+
+    @staticmethod
+    def shrink_round(generation: int, round_: int) -> str:
+        """The prefix of shrink round ``round_`` after generation ``generation``."""
+        return f"rec/{generation_prefix(generation)}/r{round_}"
+
+    @staticmethod
+    def round_decision(base: str) -> str:
+        """The decision of the shrink round whose prefix is ``base``."""
+        return f"{base}/d"
+
+    @staticmethod
+    def ready(generation: int, rank: int | str) -> str:
+        """``rank`` arrived to form ``generation`` (``"n"``: the arrival counter)."""
+        return f"form/{generation_prefix(generation)}/{rank}"
+
+    @staticmethod
+    def left(generation: int) -> str:
+        return f"left/{generation_prefix(generation)}"
+
+    @staticmethod
+    def admission(generation: int) -> str:
+        """The admission decided in ``generation``."""
+        return f"grow/{generation_prefix(generation)}"
+
+    @staticmethod
+    def ack(generation: int, requests: int, rank: int | str) -> str:
+        """``rank`` acknowledged ``requests`` join requests in ``generation`` (``"n"``:
+        the counter): an acknowledgement counts for that generation and count only."""
+        return f"{JobKeys.admission(generation)}/n{requests}/ack/{rank}"
+
+    @staticmethod
+    def has_state(generation: int, rank: int | str) -> str:
+        """``rank`` of admission generation ``generation`` has the state (``"n"``: the
+        counter)."""
+        return f"adm/{generation_prefix(generation)}/ok/{rank}"
+
+    @staticmethod
+    def admission_result(generation: int) -> str:
+        return f"adm/{generation_prefix(generation)}/result"
+
+    @staticmethod
+    def joiner(what: str, uid: int) -> str:
+        """Joiner ``uid``'s ``what``: ``adm`` (its admission), ``done``, ``gone``,
+        ``tries``."""
+        return f"join/{what}/{uid}"
+
+    @staticmethod
+    def extra(generation: int) -> str:
+        """Names of the keys only some ops made in ``generation``, one a line."""
+        return f"{generation_prefix(generation)}/extra"
+
+
 class JobStore:
     """Typed access to the job's keys (see the module's table), over one connection.
 
@@ -1348,21 +1409,21 @@ class JobStore:
     def vote_retry(self, generation: int, seq: int, attempt: int) -> int:
         """Vote, as one rank of ``generation``, to redo op ``seq`` (``attempt``); return
         the votes so far."""
-        return self._add(f"g{generation}/retry/{seq}/{attempt}", 1)
+        return self._add(JobKeys.retry(generation, seq, attempt), 1)
 
     def retry_votes(self, generation: int, seq: int, attempt: int) -> int:
-        return self._counter(f"g{generation}/retry/{seq}/{attempt}")
+        return self._counter(JobKeys.retry(generation, seq, attempt))
 
     def call_off_retry(self, generation: int, seq: int, attempt: int) -> None:
         """A rank gave up: nobody retries op ``seq`` (``attempt``)."""
-        self._flag(f"g{generation}/retry/{seq}/{attempt}/abort")
+        self._flag(JobKeys.retry(generation, seq, attempt) + "/abort")
 
     def retry_called_off(self, generation: int, seq: int, attempt: int) -> bool:
-        return self._has(f"g{generation}/retry/{seq}/{attempt}/abort")
+        return self._has(JobKeys.retry(generation, seq, attempt) + "/abort")
 
     def retry_generation(self, generation: int, seq: int, attempt: int) -> int:
         """The generation the retry of op ``seq`` forms: the first voter's draw."""
-        key = f"g{generation}/retry/{seq}/{attempt}/gen"
+        key = JobKeys.retry(generation, seq, attempt) + "/gen"
         taken = self.decide(key, {"gen": self.next_generation()})
         return int(taken["gen"])
 
@@ -1392,7 +1453,7 @@ class JobStore:
 
     def leave(self, generation: int) -> int:
         """Count one more member of ``generation`` that left normally; return the count."""
-        return self._add(f"left/g{generation}", 1)
+        return self._add(JobKeys.left(generation), 1)
 
     def ended(self) -> dict[str, Any] | None:
         return self.decision("ended")
@@ -1433,15 +1494,15 @@ class JobStore:
 
     def post_ready(self, generation: int, rank: int) -> None:
         """``rank`` arrived to form ``generation``: its flag, then the count of arrivals."""
-        self._flag(f"form/g{generation}/{rank}")
-        self._bump(f"form/g{generation}/n")
+        self._flag(JobKeys.ready(generation, rank))
+        self._bump(JobKeys.ready(generation, "n"))
 
     def ready_count(self, generation: int) -> int:
         """Arrivals counted to form ``generation`` (members and joiners; one round trip)."""
-        return self._tally(f"form/g{generation}/n")
+        return self._tally(JobKeys.ready(generation, "n"))
 
     def ready(self, generation: int, ranks: Iterable[int]) -> bool:
-        return self._has(*[f"form/g{generation}/{r}" for r in ranks])
+        return self._has(*[JobKeys.ready(generation, r) for r in ranks])
 
     # -- grow --------------------------------------------------------------------------------
     def init_joins(self) -> None:
@@ -1463,28 +1524,24 @@ class JobStore:
     def ack(self, generation: int, requests: int, rank: int, committed: int) -> None:
         """``rank`` saw ``requests`` join requests in ``generation`` when it had
         ``committed`` steps, and looks for the admission at every step boundary after."""
-        self._put(ack_key(generation, requests, rank), {"committed": committed})
-        if self._add(self._ack_counter(generation, requests), 1) == 1:
+        self._put(JobKeys.ack(generation, requests, rank), {"committed": committed})
+        if self._add(JobKeys.ack(generation, requests, "n"), 1) == 1:
             # The first rank to acknowledge this count notes it in the generation's
             # ``extra`` (one line), for :meth:`forget_generation` to delete these keys: no
             # single rank knows every count the others acknowledged in the generation.
             append = getattr(self.root, "append")  # noqa: B009
-            self._c(append, f"g{generation}/extra", f"ack/{requests}\n")
-
-    @staticmethod
-    def _ack_counter(generation: int, requests: int) -> str:
-        return f"grow/g{generation}/n{requests}/ack/n"
+            self._c(append, JobKeys.extra(generation), f"ack/{requests}\n")
 
     def ack_count(self, generation: int, requests: int) -> int:
         """Acknowledgements counted of ``requests`` requests in ``generation`` (one round
         trip; :meth:`ack_bound` reads them)."""
-        return self._tally(self._ack_counter(generation, requests))
+        return self._tally(JobKeys.ack(generation, requests, "n"))
 
     def ack_bound(self, generation: int, requests: int, world: int) -> int | None:
         """The largest committed step count in the acknowledgements of ``requests``
         requests by every rank of ``generation``; None until every rank acknowledged (or
         while one acknowledgement is not a valid record). Two round trips at most."""
-        keys = [ack_key(generation, requests, r) for r in range(world)]
+        keys = [JobKeys.ack(generation, requests, r) for r in range(world)]
         if not self._has(*keys):
             return None
         raw = self._c(self.root.multi_get, keys)
@@ -1498,50 +1555,50 @@ class JobStore:
 
     def missing_acks(self, generation: int, requests: int, world: int) -> list[int]:
         """The ranks of ``generation`` that did not acknowledge ``requests`` requests."""
-        keys = [ack_key(generation, requests, r) for r in range(world)]
+        keys = [JobKeys.ack(generation, requests, r) for r in range(world)]
         return [r for r, there in enumerate(self._present(keys)) if not there]
 
     def admission_for(self, uid: int) -> dict[str, Any] | None:
-        rec = self._get(f"join/adm/{uid}")
+        rec = self._get(JobKeys.joiner("adm", uid))
         return rec if isinstance(rec, dict) else None
 
     def set_admission_for(self, uid: int, admission: dict[str, Any]) -> None:
-        self._put(f"join/adm/{uid}", admission)
+        self._put(JobKeys.joiner("adm", uid), admission)
 
     def mark_admitted(self, uid: int) -> None:
         """``uid`` was admitted: it is never pending again, and its admission record and
         failed-try counter are no longer read (deleted: one key per joiner stays)."""
-        self._flag(f"join/done/{uid}")
-        self._c(self.root.delete_key, f"join/adm/{uid}")
-        self._c(self.root.delete_key, f"join/tries/{uid}")
+        self._flag(JobKeys.joiner("done", uid))
+        self._c(self.root.delete_key, JobKeys.joiner("adm", uid))
+        self._c(self.root.delete_key, JobKeys.joiner("tries", uid))
 
     def admitted(self, uid: int) -> bool:
-        return self._has(f"join/done/{uid}")
+        return self._has(JobKeys.joiner("done", uid))
 
     def mark_gone(self, uid: int) -> None:
-        self._flag(f"join/gone/{uid}")
+        self._flag(JobKeys.joiner("gone", uid))
 
     def gone(self, uid: int) -> bool:
-        return self._has(f"join/gone/{uid}")
+        return self._has(JobKeys.joiner("gone", uid))
 
     def join_tries(self, uid: int) -> int:
-        return self._counter(f"join/tries/{uid}")
+        return self._counter(JobKeys.joiner("tries", uid))
 
     def add_join_try(self, uid: int) -> None:
-        self._add(f"join/tries/{uid}", 1)
+        self._add(JobKeys.joiner("tries", uid), 1)
 
     def post_has_state(self, generation: int, rank: int) -> None:
-        self._put(f"adm/g{generation}/ok/{rank}", {"ok": True})
-        self._bump(f"adm/g{generation}/ok/n")
+        self._put(JobKeys.has_state(generation, rank), {"ok": True})
+        self._bump(JobKeys.has_state(generation, "n"))
 
     def has_state_count(self, generation: int) -> int:
         """Confirmations counted in admission generation ``generation`` (one round trip)."""
-        return self._tally(f"adm/g{generation}/ok/n")
+        return self._tally(JobKeys.has_state(generation, "n"))
 
     def all_have_state(self, generation: int, world: int) -> bool:
         """Whether every rank of admission generation ``generation`` confirmed it has the
         state (at most two round trips)."""
-        keys = [f"adm/g{generation}/ok/{r}" for r in range(world)]
+        keys = [JobKeys.has_state(generation, r) for r in range(world)]
         if not self._has(*keys):
             return False
         raw = self._c(self.root.multi_get, keys)
@@ -1553,7 +1610,7 @@ class JobStore:
         """The ranks of admission generation ``generation`` (of ``among``, default all
         ``world``) that did not confirm yet: a few round trips when few are missing."""
         ranks = list(range(world)) if among is None else list(among)
-        keys = [f"adm/g{generation}/ok/{r}" for r in ranks]
+        keys = [JobKeys.has_state(generation, r) for r in ranks]
         there = [k for k, t in zip(keys, self._present(keys), strict=True) if t]
         raw = self._c(self.root.multi_get, there) if there else []
         ok = {k for k, v in zip(there, raw, strict=True) if unseal(self.key, k, v) == {"ok": True}}
@@ -1580,33 +1637,35 @@ class JobStore:
         Returns:
             How many keys were deleted.
         """
-        g = f"g{generation}"
+        g = generation_prefix(generation)
         names: list[str] = []
-        if self._has(f"{g}/extra"):
+        if self._has(JobKeys.extra(generation)):
             # Keys only some ops created (ControlPlane.note_keys, claim_decision) and the
             # request counts acknowledged (ack), one name a line. Unsealed: only names of
             # those families are believed.
-            raw = self._c(self.root.get, f"{g}/extra")
+            raw = self._c(self.root.get, JobKeys.extra(generation))
             names = bytes(raw).decode(errors="replace").split("\n")
         noted = {int(k[4:]) for k in names if k.startswith("ack/") and k[4:].isdigit()}
         acked = sorted(set(acked) | noted)
-        keys = [f"{g}/ev/n", f"{g}/ev/log", f"{g}/diag", f"left/{g}"]
+        keys = [f"{g}/ev/n", f"{g}/ev/log", f"{g}/diag", JobKeys.left(generation)]
         for r in range(world):
             keys += [f"{g}/info/{r}", f"{g}/state/{r}", f"{g}/claim/{r}"]
             # torch 2.13's gloo rendezvous of the generation's default group, per rank
             keys += [f"{g}/pg/0//cpu//0/{r}", f"{g}/pg/0//cuda//0/{r}"]
-            keys += [f"form/{g}/{r}", f"adm/{g}/ok/{r}"]
+            keys += [JobKeys.ready(generation, r), JobKeys.has_state(generation, r)]
             keys += [f"{g}/mm/{k}/{r}" for k in range(1, mismatches + 1)]
-            keys += [ack_key(generation, n, r) for n in acked]
-        decisions = [f"grow/{g}", f"adm/{g}/result"] + [f"rec/{g}/r{k}/d" for k in range(rounds)]
+            keys += [JobKeys.ack(generation, n, r) for n in acked]
+        bases = [JobKeys.shrink_round(generation, k) for k in range(rounds)]
+        decisions = [JobKeys.admission(generation), JobKeys.admission_result(generation)]
+        decisions += [JobKeys.round_decision(b) for b in bases]
         keys += [_slot(d, i) for d in decisions for i in range(_SLOTS)]
-        keys += [f"rec/{g}/r{k}/{name}" for k in range(rounds) for name in ("log", "n")]
+        keys += [f"{b}/{name}" for b in bases for name in ("log", "n")]
         # The arrival counters (JobStore._tally)
-        keys += [f"form/{g}/n", f"adm/{g}/ok/n"]
-        keys += [self._ack_counter(generation, n) for n in acked]
+        keys += [JobKeys.ready(generation, "n"), JobKeys.has_state(generation, "n")]
+        keys += [JobKeys.ack(generation, n, "n") for n in acked]
         if names:
             keys += [f"{g}/{k}" for k in names if k.startswith(_NOTED_FAMILIES)]
-            keys.append(f"{g}/extra")
+            keys.append(JobKeys.extra(generation))
         deleted = 0
         for key in keys:
             deleted += bool(self._c(self.root.delete_key, key))
@@ -1629,14 +1688,14 @@ class JobStore:
         Raises:
             ControlPlaneError: The store is unreachable.
         """
-        key = f"g{generation}/dg/{name}/claim"
+        key = f"{generation_prefix(generation)}/dg/{name}/claim"
         mine = seal(self.key, key, {"rank": rank})
         rec = unseal_dict(self.key, key, self._c(self.root.compare_set, key, "", mine))
         who = rec.get("rank") if rec is not None else None
         if not isinstance(who, int) or isinstance(who, bool):
             return None
         if who == rank:
-            extra = f"g{generation}/extra"
+            extra = JobKeys.extra(generation)
             self._c(getattr(self.root, "append"), extra, f"dg/{name}/claim\n")  # noqa: B009
         return who
 

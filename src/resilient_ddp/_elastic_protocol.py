@@ -9,8 +9,8 @@ be tested with a table of cases.
 and take its place only if it fails) computes :func:`decide_shrink`, and the first
 ``compare_set`` of a :meth:`ShrinkDecision.to_record` wins.
 
-**Grow.** Members acknowledge the join requests they saw (:func:`needs_ack`,
-:func:`ack_key`); once :func:`acks_complete`, the first member to see it computes
+**Grow.** Members acknowledge the join requests they saw (:func:`needs_ack`); once every
+member acknowledged the same count, the first member to see it computes
 :func:`decide_admission` over :func:`pending_joiners`, and the first ``compare_set`` of an
 :meth:`Admission.to_record` wins.
 
@@ -39,13 +39,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 __all__ = [
-    "Ack",
     "Admission",
     "ElasticParticipant",
     "Proposal",
     "ShrinkDecision",
-    "ack_key",
-    "acks_complete",
     "decide_admission",
     "decide_shrink",
     "members_digest",
@@ -606,47 +603,11 @@ def should_decide(
 
 
 # -- grow --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Ack:
-    """A member's acknowledgement of the join requests it saw.
-
-    Attributes:
-        generation: The member's generation when it acknowledged.
-        requests: How many join requests it had seen (the ``join/n`` counter).
-        rank: The member's rank in ``generation``.
-    """
-
-    generation: int
-    requests: int
-    rank: int
-
-    @property
-    def key(self) -> str:
-        """Its store key (:func:`ack_key`)."""
-        return ack_key(self.generation, self.requests, self.rank)
-
-
-def ack_key(generation: int, requests: int, rank: int) -> str:
-    """The store key under which ``rank`` acknowledges ``requests`` join requests in
-    ``generation``: an acknowledgement counts for that generation and count only."""
-    return f"grow/g{generation}/n{requests}/ack/{rank}"
-
-
 def needs_ack(acked: tuple[int, int], *, generation: int, requests: int) -> bool:
     """Whether a member that last acknowledged ``acked`` (``(generation, requests)``, or
     ``(-1, -1)`` for none) must acknowledge again: its generation or the number of
     requests changed since."""
     return acked != (generation, requests)
-
-
-def acks_complete(acks: Iterable[Ack], world: int, *, generation: int, requests: int) -> bool:
-    """Whether every rank of ``generation`` (``world`` ranks) acknowledged ``requests``.
-
-    A stale acknowledgement (another generation, or another number of requests: one more
-    arrived since) does not count, nor does one from a rank outside ``range(world)``.
-    """
-    ranks = {a.rank for a in acks if a.generation == generation and a.requests == requests}
-    return all(r in ranks for r in range(world))
 
 
 def pending_joiners(

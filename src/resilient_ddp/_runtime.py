@@ -158,7 +158,85 @@ class PendingOp:
 
 
 class Runtime:
-    """The process's view of the job; see the module docstring."""
+    """The process's view of the job; see the module docstring.
+
+    Runtimes are made by the three constructors below, one per way a process takes part
+    in a job (the only calls of ``Runtime(...)``, checked by ``tests/test_runtime_owner``):
+    :meth:`of_group` for a rank of a process group, :meth:`of_joiner` for a replacement
+    joining an elastic job, :meth:`of_guest` for a process lending a hand to one
+    inference call.
+    """
+
+    @classmethod
+    def of_group(
+        cls,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        control_root: dist.Store,
+        config: ResilienceConfig,
+    ) -> Runtime:
+        """A rank of a job's process group, in generation 0 (``process_group`` then joins
+        the control plane, starts the watchdog and makes it the process's current one)."""
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            control_root=control_root,
+            config=config,
+        )
+
+    @classmethod
+    def of_joiner(
+        cls,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        control_root: dist.Store,
+        config: ResilienceConfig,
+        elastic: Elastic,
+    ) -> Runtime:
+        """A replacement admitted as ``rank`` of ``world_size``, before the generation it
+        enters is formed (generation -1), with its elastic state."""
+        rt = cls(
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            control_root=control_root,
+            config=config,
+            generation=-1,
+        )
+        rt.start_elastic(elastic)
+        return rt
+
+    @classmethod
+    def of_guest(
+        cls,
+        *,
+        worker: int,
+        world_size: int,
+        backend: str,
+        control_root: dist.Store,
+        config: ResilienceConfig,
+        generation: int,
+        inference_calls: int,
+    ) -> Runtime:
+        """A guest's runtime for one ``distributed_inference`` call of a job of
+        ``world_size`` ranks: worker number ``worker`` (``world_size`` and up), no group,
+        no watchdog, never the process's current one; ``inference_calls`` is the job's
+        count of calls before this one."""
+        rt = cls(
+            rank=worker,
+            world_size=world_size,
+            backend=backend,
+            control_root=control_root,
+            config=config,
+            generation=generation,
+        )
+        rt.inference_calls = inference_calls
+        return rt
 
     def __init__(  # noqa: PLR0915 - one statement per field of the job's view
         self,
@@ -471,11 +549,6 @@ class Runtime:
         """Count one more ``distributed_inference`` call (every rank counts its calls
         alike, so the count names the call on every rank)."""
         self.inference_calls += 1
-
-    def set_inference_calls(self, calls: int) -> None:
-        """The ``distributed_inference`` calls counted so far are ``calls`` (a guest takes
-        the count of the job it helps)."""
-        self.inference_calls = calls
 
     def set_inference_progress(self, call: int, done: int) -> None:
         """Call number ``call`` of ``distributed_inference`` has ``done`` items done by

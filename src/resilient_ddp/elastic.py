@@ -412,7 +412,13 @@ def recover(
                 )
             ) from cause
         dec = _agree(
-            rt, el, f"rec/g{gen_from}/r{round_}", candidates, where, has_grads, (gen_from, world)
+            rt,
+            el,
+            ctl.JobKeys.shrink_round(gen_from, round_),
+            candidates,
+            where,
+            has_grads,
+            (gen_from, world),
         )
         if dec.fail:
             rt.mark_raised()
@@ -619,7 +625,7 @@ def _agree(
     jobs.post_proposal(base, mine.to_json())
     cfg = rt.config
     deadline = _clock.monotonic() + cfg.op_timeout.total_seconds()
-    decided = f"{base}/d"
+    decided = ctl.JobKeys.round_decision(base)
     count = _Tally(functools.partial(jobs.proposal_count, base))
     # A poll: the decision, the proposal count, and the watchdog's tick (poked: two).
     poll = ctl.Backoff(len(candidates), 4)
@@ -739,7 +745,7 @@ def _decide_round(
     cfg = rt.config
     grace = _timings.late_proposer_grace(cfg)
     silent_since: float | None = None
-    decided = f"{base}/d"
+    decided = ctl.JobKeys.round_decision(base)
     count = _Tally(functools.partial(jobs.proposal_count, base))
     props: dict[int, proto.Proposal] = {}
     known: tuple[set[int], set[int]] | None = None  # the watchdog's (gone, dead), last seen
@@ -1091,7 +1097,7 @@ def _admission_result(rt: Runtime, adm: proto.Admission, rank: int, *, ok: bool)
     timeout fails it. Bounded."""
     jobs = _jobs(rt.control_root)
     gen, world = adm.gen, len(adm.members)
-    result = f"adm/g{gen}/result"
+    result = ctl.JobKeys.admission_result(gen)
     if ok:
         jobs.post_has_state(gen, rank)
     else:
@@ -1202,7 +1208,7 @@ def _grow_decision(rt: Runtime, el: Elastic) -> bool:
             acknowledge within the form timeout.
     """
     jobs = _jobs(rt.control_root)
-    key = f"grow/g{rt.generation}"
+    key = ctl.JobKeys.admission(rt.generation)
     round_n, deadline = -1, 0.0  # the round waited for, and until when
     recheck = 0.0  # when the pending requests are read again while waiting
     acks: dict[int, _Tally] = {}  # the acknowledgement count of each round waited for
@@ -1546,18 +1552,17 @@ def _admit(
 
     gen, members = adm.gen, list(adm.members)
     n_old = adm.old_world
-    rt = Runtime(
+    # The members admit at the first forward with ``at`` steps committed: its watchdog may
+    # acknowledge requests before the state (which says the same) arrives.
+    el = Elastic(uid=uid, members=members, committed=adm.at)
+    rt = Runtime.of_joiner(
         rank=rank,
         world_size=len(members),
         backend=backend or "gloo",
         control_root=root,
         config=cfg,
-        generation=-1,
+        elastic=el,
     )
-    # The members admit at the first forward with ``at`` steps committed: its watchdog may
-    # acknowledge requests before the state (which says the same) arrives.
-    el = Elastic(uid=uid, members=members, committed=adm.at)
-    rt.start_elastic(el)
     _jobs(root).post_ready(gen, rank)
     error: BaseException | None = None
     state: dict[str, Any] = {}

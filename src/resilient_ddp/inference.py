@@ -795,16 +795,15 @@ def _guest_runtime(guest: _guest.Guest) -> Runtime:
     watchdog), under the next free worker number ``world_size + k`` of that call."""
     store = ctl.ControlPlane(guest.root, guest.generation).store
     k = int(store.add(wp.Keys(guest.call).guests, 1)) - 1
-    rt = Runtime(
-        rank=guest.world_size + k,
+    return Runtime.of_guest(
+        worker=guest.world_size + k,
         world_size=guest.world_size,
         backend=guest.backend,
         control_root=guest.root,
         config=guest.config,
         generation=guest.generation,
+        inference_calls=guest.call - 1,  # run() counts this one
     )
-    rt.set_inference_calls(guest.call - 1)  # run() counts this one
-    return rt
 
 
 class _GuestBeat(threading.Thread):

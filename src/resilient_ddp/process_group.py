@@ -170,7 +170,7 @@ def attach(
             "torch.distributed.init_process_group()) on every rank first."
         )
     cfg = resolve(config) if config is not None else get_config()
-    rt = Runtime(
+    rt = Runtime.of_group(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         backend=backend_name(),
