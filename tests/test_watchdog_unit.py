@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
+import queue
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -150,6 +152,62 @@ def test_consecutive_errors_stop_the_watchdog_and_the_main_thread_gets_a_typed_e
     assert culprit.exc_type == "ZeroDivisionError"
 
 
+def test_a_signal_handler_that_interrupts_a_poke_still_gets_its_ticks(
+    store: dist.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM's handler pokes the watchdog and waits for its verdict, on the main thread,
+    which it may have interrupted inside a poke (the main thread pokes every 20 ms while it
+    waits for a verdict itself). At whatever line of ``poke`` the handler runs, the
+    watchdog keeps ticking: a poke that held a lock the watchdog needs in order to wait
+    (an Event's) froze it until the handler gave up, and mp.spawn's survivor died by the
+    signal without naming the culprit (full run, once)."""
+    rt, wd, _ = _runtime_for(store)
+    ticks = 0
+    completed = rt.tick_completed
+
+    def counted() -> None:
+        nonlocal ticks
+        ticks += 1
+        completed()
+
+    monkeypatch.setattr(rt, "tick_completed", counted)
+    waits: list[bool] = []  # per simulated handler: did two ticks come within 5 s?
+
+    def handler() -> None:  # what _on_sigterm does: poke, then wait for the watchdog
+        before = ticks
+        wd.poke()
+        end = time.monotonic() + 5.0
+        while ticks < before + 2 and time.monotonic() < end:
+            time.sleep(0.002)
+        waits.append(ticks >= before + 2)
+
+    def in_poke(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            handler()  # a signal is handled between two lines: here, at every one
+        return in_poke
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        # Every line run under poke (its own, and those of what it calls), and no other.
+        caller = frame
+        while caller is not None:
+            if caller.f_code is Watchdog.poke.__code__:
+                return in_poke
+            caller = caller.f_back  # type: ignore[assignment]
+        return None
+
+    wd.start()
+    try:
+        sys.settrace(tracer)
+        try:
+            wd.poke()
+        finally:
+            sys.settrace(None)
+    finally:
+        wd.stop(5.0)
+    assert waits, "no line of poke was run under the tracer"
+    assert all(waits), f"the watchdog stopped ticking under {waits.count(False)} handler(s)"
+
+
 def test_transient_errors_that_recover_never_stop_the_watchdog(
     store: dist.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -184,11 +242,11 @@ def test_transient_errors_that_recover_never_stop_the_watchdog(
 def test_a_failure_outside_the_tick_is_told_too(store: dist.Store) -> None:
     rt, wd, _ = _runtime_for(store)
 
-    class BrokenEvent(threading.Event):
-        def wait(self, timeout: float | None = None) -> bool:
+    class BrokenQueue(queue.SimpleQueue[None]):
+        def get(self, block: bool = True, timeout: float | None = None) -> None:
             raise RuntimeError("loop bug")
 
-    wd._wake = BrokenEvent()
+    wd._wake = BrokenQueue()
     _run_until_it_ends(wd)
 
     err = rt.control_plane_error

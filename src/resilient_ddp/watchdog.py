@@ -20,7 +20,9 @@ store is lost, and the peers are told this rank failed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Mapping
@@ -118,8 +120,12 @@ class Watchdog(threading.Thread):
         self.host_mate_silence = _timings.host_mate_silence(runtime.config)
         self._unheard: set[int] = set()  # silent ranks whose process runs (told once)
         self._stop_event = threading.Event()
-        self._wake = threading.Event()
-        self._poking = False  # see poke()
+        # Pokes (see poke): a SimpleQueue, whose put takes no lock a signal handler could
+        # interrupt. An Event's set holds its Condition's lock, which the watchdog thread
+        # needs to wait: a SIGTERM handler that interrupted a poke and then waited for a
+        # verdict froze the watchdog for the whole wait (mp.spawn's survivor then died by
+        # the signal without naming the culprit).
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._generation, self._rank = runtime.generation, runtime.rank
         self._jobs: ctl.JobStore | None = None  # elastic records, over this connection
         # Join requests looked at in this generation (this watchdog's)
@@ -171,7 +177,7 @@ class Watchdog(threading.Thread):
     def stop(self, timeout: float | None = None) -> None:
         """Ask the thread to stop and wait for it (at most ``timeout`` seconds)."""
         self._stop_event.set()
-        self._wake.set()
+        self._wake.put(None)
         self.rt.watchdog_stopped()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
@@ -180,18 +186,11 @@ class Watchdog(threading.Thread):
     def poke(self) -> None:
         """Run the next tick now instead of at the end of the interval.
 
-        Safe from a signal handler: a handler (SIGTERM, the peers' verdict) that interrupts
-        a poke on the main thread must not set the event again, because the interrupted
-        ``Event.set`` holds the event's lock (a deadlock, seen under mp.spawn's SIGTERM).
-        A poke already under way sets the flag anyway.
+        Safe from a signal handler and in one: ``SimpleQueue.put`` is reentrant and takes
+        no lock that the interrupted main thread could hold while the handler waits for
+        the watchdog (SIGTERM's handler does, for the verdict).
         """
-        if self._poking:
-            return
-        self._poking = True
-        try:
-            self._wake.set()
-        finally:
-            self._poking = False
+        self._wake.put(None)
 
     def run(self) -> None:
         try:
@@ -225,8 +224,17 @@ class Watchdog(threading.Thread):
             # Runtime.failed_for): repeated errors are told by _give_up, and accurately.
             if completed and not self._stop_event.is_set():
                 self.rt.tick_completed()
-            self._wake.wait(self.interval)
-            self._wake.clear()
+            self._sleep_until_poked()
+
+    def _sleep_until_poked(self) -> None:
+        """Wait for a poke, at most one interval; the pokes made meanwhile count as one."""
+        try:
+            self._wake.get(timeout=self.interval)
+        except queue.Empty:
+            return
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._wake.get_nowait()
 
     def _lost(self, e: ControlPlaneError) -> bool:
         """After a tick that raised ``e``: whether the control plane is lost (told, and the
