@@ -160,11 +160,10 @@ class PendingOp:
 class Runtime:
     """The process's view of the job; see the module docstring.
 
-    Runtimes are made by the three constructors below, one per way a process takes part
-    in a job (the only calls of ``Runtime(...)``, checked by ``tests/test_runtime_owner``):
-    :meth:`of_group` for a rank of a process group, :meth:`of_joiner` for a replacement
-    joining an elastic job, :meth:`of_guest` for a process lending a hand to one
-    inference call.
+    Runtimes are made by the two constructors below, one per way a process takes part in a
+    job (the only calls of ``Runtime(...)``, checked by ``tests/test_runtime_owner``):
+    :meth:`of_group` for a rank of a process group (a replacement joining an elastic job
+    included), :meth:`of_guest` for a process lending a hand to one inference call.
     """
 
     @classmethod
@@ -176,38 +175,15 @@ class Runtime:
         backend: str,
         control_root: dist.Store,
         config: ResilienceConfig,
+        elastic: Elastic | None = None,
     ) -> Runtime:
-        """A rank of a job's process group, in generation 0 (``process_group`` then joins
-        the control plane, starts the watchdog and makes it the process's current one)."""
-        return cls(
-            rank=rank,
-            world_size=world_size,
-            backend=backend,
-            control_root=control_root,
-            config=config,
-        )
-
-    @classmethod
-    def of_joiner(
-        cls,
-        *,
-        rank: int,
-        world_size: int,
-        backend: str,
-        control_root: dist.Store,
-        config: ResilienceConfig,
-        elastic: Elastic,
-    ) -> Runtime:
-        """A replacement admitted as ``rank`` of ``world_size``, before the generation it
-        enters is formed (generation -1), with its elastic state."""
-        rt = cls(
-            rank=rank,
-            world_size=world_size,
-            backend=backend,
-            control_root=control_root,
-            config=config,
-            generation=-1,
-        )
+        """A rank of a job's process group: of generation 0 (``process_group`` then joins
+        the control plane, starts the watchdog and makes it the process's current one),
+        or, with ``elastic``, a replacement admitted as ``rank`` of ``world_size`` before
+        the generation it enters is formed (generation -1), with its elastic state."""
+        if elastic is None:
+            return cls(rank, world_size, backend, control_root, config)
+        rt = cls(rank, world_size, backend, control_root, config, generation=-1)
         rt.start_elastic(elastic)
         return rt
 
@@ -227,20 +203,12 @@ class Runtime:
         ``world_size`` ranks: worker number ``worker`` (``world_size`` and up), no group,
         no watchdog, never the process's current one; ``inference_calls`` is the job's
         count of calls before this one."""
-        rt = cls(
-            rank=worker,
-            world_size=world_size,
-            backend=backend,
-            control_root=control_root,
-            config=config,
-            generation=generation,
-        )
+        rt = cls(worker, world_size, backend, control_root, config, generation=generation)
         rt.inference_calls = inference_calls
         return rt
 
     def __init__(  # noqa: PLR0915 - one statement per field of the job's view
         self,
-        *,
         rank: int,
         world_size: int,
         backend: str,

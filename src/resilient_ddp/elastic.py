@@ -1555,7 +1555,7 @@ def _admit(
     # The members admit at the first forward with ``at`` steps committed: its watchdog may
     # acknowledge requests before the state (which says the same) arrives.
     el = Elastic(uid=uid, members=members, committed=adm.at)
-    rt = Runtime.of_joiner(
+    rt = Runtime.of_group(
         rank=rank,
         world_size=len(members),
         backend=backend or "gloo",
