@@ -293,11 +293,11 @@ class _Job:
         self._start(rank, joiner=True)
 
     def _remove_evicted(self) -> None:
-        """Kill a process the group removed (stopped or hung while the others went on)
-        once it has had ``_EVICT_GRACE_S`` to end by itself: a process that died (by
-        SIGKILL, say) can still look alive while the kernel tears it down, after the
-        survivors have already seen it gone; it then reports its own exit code, not the
-        launcher's kill (``exitcode=None``)."""
+        """Kill a process the group removed (stopped or hung while the others went on):
+        a stopped one at once, another once it has had ``_EVICT_GRACE_S`` to end by
+        itself (a process that died, by SIGKILL say, can still look alive while the kernel
+        tears it down, after the survivors have already seen it gone; it then reports its
+        own exit code, not the launcher's kill: ``exitcode=None``)."""
         try:
             record = self.jobs.members()
             if record is None:
@@ -312,7 +312,9 @@ class _Job:
             if uid not in self.ever_member or uid in members or not p.is_alive():
                 continue
             since = self.evicted_at.setdefault(uid, now)
-            if now - since >= _EVICT_GRACE_S:
+            # A stopped process (SIGSTOP, a debugger) cannot end by itself: killed at once.
+            stopped = p.pid is not None and ctl.process_state(p.pid) in ("T", "t")
+            if stopped or now - since >= _EVICT_GRACE_S:
                 self.killed.add(rank)
                 p.kill()
                 p.join(5)
