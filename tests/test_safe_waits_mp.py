@@ -181,6 +181,22 @@ def test_a_shared_verdict_is_aged_in_its_authors_heartbeats(
     assert _store_diagnosis.verdict_stale(rt, control, verdict) is stale  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("culprits", "taken"),
+    [
+        ([{"rank": 1}], [1]),
+        ([{"rank": 1}, {"rank": 2}], [1]),  # the reader arrived since: not its own culprit
+        ([{"rank": 2}], None),  # only the reader was named: it diagnoses itself
+        ([], []),  # nobody late (the op completed meanwhile)
+        ("x", None),  # garbage: diagnosed here
+        ([{"rank": 1}, "x"], [1]),
+    ],
+)
+def test_a_shared_verdict_never_names_its_reader(culprits: Any, taken: list[int] | None) -> None:
+    got = _store_diagnosis.culprits_for_reader({"by": 0, "culprits": culprits}, 2)
+    assert (None if got is None else [c["rank"] for c in got]) == taken
+
+
 def test_the_wall_clock_offset_moves_wall_only() -> None:
     try:
         _clock.set_wall_offset(3600.0)

@@ -57,15 +57,29 @@ def diagnose(rt: Runtime, control: ctl.ControlPlane, name: str, seq: int) -> lis
                 control.publish_verdict(seq, k, verdict)
     wait = _timings.shared_verdict_wait(rt.config)
     shared = control.read_verdict(seq, k, timedelta(seconds=wait))
-    if (
-        shared is None
-        or not shared.get("shared")
-        or not isinstance(shared.get("culprits"), list)
-        or verdict_stale(rt, control, shared)
-    ):
+    if shared is None or not shared.get("shared") or verdict_stale(rt, control, shared):
+        return _diagnose_here(rt, control, name, seq)
+    taken = culprits_for_reader(shared, rt.rank)
+    if taken is None:
         return _diagnose_here(rt, control, name, seq)
     rank_log.of(rt).debug("%s#%d: rank %s's diagnosis", name, seq, shared.get("by"))
-    return [c for c in shared["culprits"] if isinstance(c, dict)]
+    return taken
+
+
+def culprits_for_reader(verdict: dict[str, Any], rank: int) -> list[dict[str, Any]] | None:
+    """The culprits of a peer's shared ``verdict`` that hold for ``rank``, its reader, or
+    None when it must diagnose itself. The verdict was made when the reader had not
+    arrived yet, maybe: the reader waits in the op now, so it is never its own culprit
+    (it would read "rank 2 waits for rank 2"); when it was the only one named, what
+    blocks it now is another matter, which it diagnoses itself."""
+    culprits = verdict.get("culprits")
+    if not isinstance(culprits, list):
+        return None
+    named = [c for c in culprits if isinstance(c, dict)]
+    mine = [c for c in named if c.get("rank") != rank]
+    if named and not mine:
+        return None
+    return mine
 
 
 def verdict_stale(rt: Runtime, control: ctl.ControlPlane, verdict: dict[str, Any]) -> bool:
