@@ -15,9 +15,13 @@ class _Proc:
     """A process stand-in: alive until ``alive`` is set False or it is killed, and how
     often the launcher killed it."""
 
-    def __init__(self) -> None:
+    _pids = iter(range(10_000, 20_000))
+
+    def __init__(self, state: str = "S") -> None:
         self.alive = True
         self.kills = 0
+        self.pid = next(self._pids)
+        self.state = state  # what /proc says: S sleeping, T stopped
 
     def is_alive(self) -> bool:
         return self.alive
@@ -49,15 +53,21 @@ def _job(procs: list[_Proc], members: list[int]) -> Any:
     return job
 
 
+def _proc_states(monkeypatch: pytest.MonkeyPatch, procs: list[_Proc]) -> None:
+    by_pid = {p.pid: p for p in procs}
+    monkeypatch.setattr(launch.ctl, "process_state", lambda pid: by_pid[pid].state)
+
+
 def test_an_evicted_process_that_ends_by_itself_within_the_grace_is_not_killed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rank 2 died by SIGKILL, but the kernel still tears it down (it looks alive) when the
     launcher reads the members the survivors agreed on without it: it is not killed, and
-    so keeps its own exit code. Rank 3, stopped, is killed once the grace has passed."""
+    so keeps its own exit code. Rank 3, hung, is killed once the grace has passed."""
     now = [100.0]
     monkeypatch.setattr(launch.time, "monotonic", lambda: now[0])
     procs = [_Proc() for _ in range(4)]
+    _proc_states(monkeypatch, procs)
     job = _job(procs, members=[0, 1])
     job._remove_evicted()
     assert [p.kills for p in procs] == [0, 0, 0, 0]
@@ -73,10 +83,34 @@ def test_an_evicted_process_that_ends_by_itself_within_the_grace_is_not_killed(
     assert [p.kills for p in procs] == [0, 0, 0, 1]
 
 
+def test_an_evicted_process_that_is_stopped_is_killed_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stopped process (SIGSTOP) cannot end by itself: no grace for it."""
+    monkeypatch.setattr(launch.time, "monotonic", lambda: 100.0)
+    procs = [_Proc(), _Proc(), _Proc(state="T"), _Proc(state="S")]
+    _proc_states(monkeypatch, procs)
+    job = _job(procs, members=[0, 1])
+    job._remove_evicted()
+    assert [p.kills for p in procs] == [0, 0, 1, 0]
+    assert job.killed == {2}
+
+
+def test_the_launchers_take_seconds_or_timedeltas_and_refuse_the_rest() -> None:
+    from datetime import timedelta
+
+    from resilient_ddp.errors import ConfigError
+
+    for bad in ({"timeout": -1}, {"grace": "5"}, {"timeout": timedelta(0)}):
+        with pytest.raises(ConfigError):
+            launch.launch(print, 1, **bad)  # type: ignore[arg-type]
+
+
 def test_members_that_stay_are_never_killed(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [0.0]
     monkeypatch.setattr(launch.time, "monotonic", lambda: now[0])
     procs = [_Proc() for _ in range(3)]
+    _proc_states(monkeypatch, procs)
     job = _job(procs, members=[0, 1, 2])
     for _ in range(3):
         job._remove_evicted()

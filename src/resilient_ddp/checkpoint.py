@@ -25,7 +25,8 @@ import torch.distributed as dist
 from ._backend import comm_device
 from ._runtime import ensure_runtime
 from ._wire import SafeUnpickler, dumps, loads
-from .collectives import Duration, Op, op_signature
+from .collectives import Op, op_signature
+from .config import Duration
 from .errors import (
     CollectiveMismatchError,
     ConfigError,

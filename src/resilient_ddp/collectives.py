@@ -43,7 +43,7 @@ from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports i
 from ._events import rank_log
 from ._runtime import PendingOp, ensure_runtime
 from ._wire import dumps, loads
-from .config import SHORTEST_TIMEOUT, RetryPolicy, duration_seconds
+from .config import SHORTEST_TIMEOUT, Duration, RetryPolicy, duration_seconds
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -68,7 +68,6 @@ __all__ = [
 log = logging.getLogger("resilient_ddp")
 
 T = TypeVar("T")
-Duration = timedelta | float | int | None
 _MAX_NDIM = 16
 _MAX_SLICE_S = _timings.MAX_BACKEND_SLICE_S  # longest backend wait between failure checks
 _MIN_SLICE_S = SHORTEST_TIMEOUT.total_seconds()  # below: c10d's 0 ms, i.e. "forever"

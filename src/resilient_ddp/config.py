@@ -32,6 +32,10 @@ from .errors import ConfigError
 
 __all__ = ["ResilienceConfig", "RetryPolicy", "get_config", "resolve", "set_config"]
 
+#: A budget or timeout as callers may give it: a timedelta, or seconds as a number
+#: (``None``: the default of the call).
+Duration = timedelta | float | int | None
+
 _ENV_PREFIX = "RESILIENT_DDP_"
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_SECONDS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}

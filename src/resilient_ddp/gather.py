@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from ._backend import comm_device
 from ._wire import CompactPickler, buffer_of, dumps, loads, to_cpu
-from .collectives import Duration, Op, format_table, majority, op_signature
+from .collectives import Op, format_table, majority, op_signature
+from .config import Duration
 from .errors import CollectiveMismatchError, ConfigError
 
 __all__ = ["gather_to_rank0"]

@@ -48,7 +48,8 @@ from ._events import rank_log
 from ._progress import progress as _mark_progress
 from ._runtime import Runtime, in_own_wait
 from ._wire import to_cpu
-from .collectives import Duration, Op
+from .collectives import Op
+from .config import Duration
 from .errors import (
     ConfigError,
     Culprit,

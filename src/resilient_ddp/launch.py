@@ -28,6 +28,7 @@ from typing import Any
 
 from . import _board, _exit_guard, _runtime
 from . import _control as ctl
+from .config import Duration, duration_seconds
 from .errors import Culprit, RankOutcome, SpawnError
 
 # Sent by the launcher to a rank it is about to kill: faulthandler prints every thread's
@@ -47,8 +48,8 @@ def spawn(
     nprocs: int,
     args: Sequence[Any] = (),
     *,
-    timeout: timedelta | None = None,
-    grace: timedelta = _DEFAULT_GRACE,
+    timeout: Duration = None,
+    grace: Duration = _DEFAULT_GRACE,
     start_method: str = "spawn",
     env: Mapping[str, str] | None = None,
     restarts: int = 0,
@@ -66,9 +67,10 @@ def spawn(
         fn: A picklable function (module level), called as ``fn(rank, *args)``.
         nprocs: Number of processes (ranks).
         args: Extra positional arguments for ``fn``.
-        timeout: Deadline for the whole job; processes still running then are killed.
+        timeout: Deadline for the whole job (a timedelta or seconds; no limit by
+            default); processes still running then are killed.
         grace: After the first process fails, how long the others get to exit by
-            themselves before they are killed.
+            themselves before they are killed (a timedelta or seconds; default 30 s).
         start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"``.
         env: Extra environment variables for the processes.
         restarts: For elastic training (``on_failure="shrink"``): how many replacement
@@ -127,16 +129,22 @@ def launch(
     nprocs: int,
     args: Sequence[Any] = (),
     *,
-    timeout: timedelta | None = None,
-    grace: timedelta = _DEFAULT_GRACE,
+    timeout: Duration = None,
+    grace: Duration = _DEFAULT_GRACE,
     start_method: str = "spawn",
     env: Mapping[str, str] | None = None,
     restarts: int = 0,
 ) -> list[RankOutcome]:
-    """Like :func:`spawn`, but return every rank's :class:`RankOutcome` instead of raising."""
+    """Like :func:`spawn`, but return every rank's :class:`RankOutcome` instead of raising.
+
+    Raises:
+        ConfigError: ``timeout`` or ``grace`` is not a positive duration.
+    """
+    limit = None if timeout is None else duration_seconds("timeout", timeout)
+    grace_s = duration_seconds("grace", grace, _DEFAULT_GRACE)
     job = _Job(fn, nprocs, tuple(args), start_method, env or {}, restarts)
     try:
-        job.supervise(timeout, grace)
+        job.supervise(limit, grace_s)
     finally:
         job.reap()
     return job.outcomes()
@@ -218,11 +226,11 @@ class _Job:
         self.procs[rank] = p
         self.conns[rank] = recv
 
-    def supervise(self, timeout: timedelta | None, grace: timedelta) -> None:  # noqa: PLR0912
+    def supervise(self, timeout: float | None, grace: float) -> None:  # noqa: PLR0912
         """Collect results until every process ended, the deadline, or the grace period
         after the first failure; report deaths to the survivors through the store."""
         now = time.monotonic()
-        deadline = now + timeout.total_seconds() if timeout is not None else float("inf")
+        deadline = now + timeout if timeout is not None else float("inf")
         kill_at = float("inf")
         exited: set[int] = set()
         events_seen, next_event_poll = 0, 0.0
@@ -254,7 +262,7 @@ class _Job:
                     self.elastic = _store_has(self.jobs.is_elastic)
                 exited.add(rank)
                 if failed and not self.elastic:
-                    kill_at = min(kill_at, now + grace.total_seconds())
+                    kill_at = min(kill_at, now + grace)
                 if p.exitcode != 0 and not raised and not self.elastic:
                     _report_death(self.jobs, rank, p.exitcode)
             if now >= next_event_poll and kill_at == float("inf") and not self.elastic:
@@ -266,13 +274,13 @@ class _Job:
                 self.elastic = _store_has(self.jobs.is_elastic)
                 events_seen, failed_seen = _failure_reported(self.jobs, events_seen)
                 if failed_seen and not self.elastic:
-                    kill_at = now + grace.total_seconds()
+                    kill_at = now + grace
             if self.elastic and kill_at == float("inf") and now >= next_event_poll:
                 next_event_poll = now + 0.25
                 if _store_has(lambda: self.jobs.ended() is not None):
                     # The group failed (too few ranks, a minority) or finished: what is left
                     # (a stopped rank, a joiner) gets the grace period.
-                    kill_at = now + grace.total_seconds()
+                    kill_at = now + grace
             if now >= min(deadline, kill_at):
                 return
 

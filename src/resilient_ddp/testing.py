@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from .config import Duration
 from .errors import RankOutcome
 from .launch import launch
 
@@ -64,15 +65,16 @@ def run_ranks(
     world_size: int,
     args: Sequence[Any] = (),
     *,
-    timeout: timedelta = timedelta(seconds=60),
-    grace: timedelta = timedelta(seconds=5),
+    timeout: Duration = timedelta(seconds=60),
+    grace: Duration = timedelta(seconds=5),
     restarts: int = 0,
     start_method: str | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, *args)`` on ``world_size`` local processes, never raising.
 
     The parent hosts the store on a free port (``TCPStore(port=0)``). Blocks at most
-    ``timeout``, and at most ``grace`` after the first failure; then kills what is left.
+    ``timeout``, and at most ``grace`` after the first failure (timedeltas or seconds);
+    then kills what is left.
 
     With ``restarts``, failed processes are replaced by joiners (see
     :func:`resilient_ddp.spawn`). ``start_method`` defaults to the one chosen with
