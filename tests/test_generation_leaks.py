@@ -132,7 +132,9 @@ def test_fds_threads_and_memory_stay_flat_over_twenty_kill_and_rejoin_cycles() -
     # The job's store: every generation's keys are deleted once two newer ones exist (also
     # those of generations that failed to form or admit, and every rank's acknowledgements);
     # one key per admitted joiner stays (join/done/<uid>: it is never pending again).
-    keys = [s["keys"] for s in finals[0]["samples"]]
+    # Counted where rank 0's forget thread (the one that deletes them) had ended: a sample
+    # taken while it still ran holds the keys it is deleting (+22 once, under load).
+    keys = [s["keys"] for s in finals[0]["samples"] if s["settled"]]
     assert keys[-1] - keys[0] <= CYCLES - 1, f"store keys grew\n{table}"
     if stale is not None:
         assert all("/join/done/" in k for k in stale), f"store keys stayed\n{table}"
