@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -206,6 +207,28 @@ def test_a_signal_handler_that_interrupts_a_poke_still_gets_its_ticks(
         wd.stop(5.0)
     assert waits, "no line of poke was run under the tracer"
     assert all(waits), f"the watchdog stopped ticking under {waits.count(False)} handler(s)"
+
+
+def test_sigterm_inside_the_runtimes_lock_is_handled_again_once_it_is_released(
+    store: dist.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher's SIGTERM that interrupts the main thread inside the runtime's lock must
+    not wait there for the watchdog's verdict (the watchdog needs that lock to record it):
+    the handler returns at once and has the signal sent again."""
+    from resilient_ddp import _process_hooks
+
+    rt, _, _ = _runtime_for(store)
+    again: list[int] = []
+    monkeypatch.setattr(_process_hooks, "_deliver_again", again.append)
+    monkeypatch.setattr(rt, "await_verdict", lambda s: pytest.fail("waited in the lock"))
+    _runtime.set_current(rt)
+    try:
+        with rt.lock:
+            _process_hooks._on_sigterm(signal.SIGTERM, None)
+    finally:
+        _runtime.set_current(None)
+    assert again == [signal.SIGTERM]
+    assert not _process_hooks._owned(rt.lock)  # and the check tells the lock is free now
 
 
 def test_transient_errors_that_recover_never_stop_the_watchdog(

@@ -95,6 +95,23 @@ def _raise_told(rt: Runtime) -> None:
         raise error
 
 
+#: How soon a signal that came while the main thread held the runtime's lock is sent again.
+REDELIVER_S = 0.05
+
+
+def _owned(lock: Any) -> bool:
+    """Whether this thread holds ``lock`` (an RLock; False for a lock that cannot tell)."""
+    is_owned = getattr(lock, "_is_owned", None)
+    return bool(is_owned()) if is_owned is not None else False
+
+
+def _deliver_again(signum: int) -> None:
+    """Send ``signum`` to this process again in :data:`REDELIVER_S`, from a timer thread."""
+    timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     """A launcher ends the job (``mp.spawn`` and torchrun send SIGTERM to the others as
     soon as one rank fails): raise the failure this rank knows of, naming the culprit,
@@ -108,6 +125,12 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         if isinstance(sys.exc_info()[1], ResilientDDPError):
             # The main thread is handling one of our errors already (an ``except`` block:
             # the user's, or mp.spawn's that reports it and exits): let it finish.
+            return
+        if _owned(rt.lock):
+            # The main thread was interrupted inside the runtime's lock, which the watchdog
+            # needs to record the verdict this handler would wait for: handle the signal
+            # again in a moment, once the lock is released.
+            _deliver_again(signum)
             return
         _raise_told(rt)
         # The watchdog learns of a death within a tick; let it tick now. (``rt.raised`` may
