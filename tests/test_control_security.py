@@ -389,3 +389,32 @@ def test_two_threads_reading_heartbeats_never_see_a_replay() -> None:
     assert got[1]["beat"] == 5
     assert dict(ctl.rejected_records()) == rejected  # nothing counted as a replay
     assert reader.read_states([1])[1]["beat"] == 6  # and the newest stands
+
+
+# -- heartbeats, decoded once at the store boundary ------------------------------------------
+_BEAT = {"rank": 1, "beat": 7, "status": "running", "step": 3, "t": 1.5, "in_op": False}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        pytest.param({}, "", id="as-published"),
+        pytest.param({"t": 2, "section_left": None, "progress": None}, "", id="int-for-float"),
+        pytest.param({"beat": "many"}, "'beat' is str", id="beat-str"),
+        pytest.param({"beat": True}, "'beat' is bool", id="bool-for-int"),
+        pytest.param({"in_op": 1}, "'in_op' is int", id="int-for-bool"),
+        pytest.param({"status": ["running"]}, "'status' is list", id="status-list"),
+        pytest.param({"op": None}, "'op' is NoneType", id="op-none"),
+        pytest.param({"idle": float("nan")}, "", id="nan-is-a-float"),
+    ],
+)
+def test_a_heartbeat_is_read_only_with_its_fields_types(
+    change: dict[str, object], problem: str
+) -> None:
+    record = {**_BEAT, **change, "extra": {"not": "a heartbeat field"}}
+    assert ctl.state_problem(record) == problem
+    state = ctl.decode_state(record, "rd/job/g0/state/1")
+    if problem:
+        assert state is None
+    else:
+        assert state == {**_BEAT, **change}  # its own fields, as sent; "extra" dropped

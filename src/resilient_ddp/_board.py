@@ -179,7 +179,7 @@ def read_board(info: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def with_board(state: dict[str, Any] | None, info: dict[str, Any] | None) -> dict[str, Any]:
+def with_board(state: ctl.HeartbeatState | None, info: dict[str, Any] | None) -> ctl.HeartbeatState:
     """``state`` (a rank's last heartbeat, maybe ``None``) with the step, phase and op of
     its board when this host can read it: for a process that is gone or stopped, what it
     was doing when it stopped, not as of its last heartbeat.
@@ -190,16 +190,18 @@ def with_board(state: dict[str, Any] | None, info: dict[str, Any] | None) -> dic
     process that no longer runs, so a report shows no age (``state_age``); ``board``
     marks it.
     """
-    merged = dict(state or {})
+    merged: ctl.HeartbeatState = {**(state or {})}
     board = read_board(info)
     if board is not None:
         merged.update(
-            step=board["step"],
-            seq=board["seq"],
-            op=board["op"],
-            phase=board["phase"],
-            in_op=board["in_op"],
-            t=time.time(),
-            board=True,
+            {
+                "step": board["step"],
+                "seq": board["seq"],
+                "op": board["op"],
+                "phase": board["phase"],
+                "in_op": board["in_op"],
+                "t": time.time(),
+                "board": True,
+            }
         )
     return merged

@@ -102,7 +102,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 import torch.distributed as dist
 
@@ -173,6 +173,93 @@ def event_problem(ev: Any) -> str:
             return "a culprit that is not an object"
         problem = bad_field(c, _CULPRIT_FIELDS, ("rank",))
     return problem
+
+
+class HeartbeatState(TypedDict, total=False):
+    """A rank's heartbeat record (``state/<r>``), as its watchdog publishes it
+    (:meth:`Runtime.snapshot`) and as :meth:`ControlPlane.read_states` decodes it: every
+    field present has its type (:func:`decode_state`), any field may be missing (a rank
+    writes a short record before its first heartbeat; another process may have written the
+    key).
+
+    Attributes:
+        rank, host, pid: Who publishes it.
+        beat: Heartbeats sent so far (-1 in a rank's last record: it left or failed).
+        gen: The rank's generation. status: ``running``, ``left`` or ``failed``.
+        seq, op, in_op: Its last collective, its sequence number, whether it waits in it.
+        step, phase, section, section_left: Where its training loop is; the seconds left
+            in a section's budget (None: no budget).
+        compute_s: Median local compute time of its recent steps (seconds).
+        progress: ``[call, done]`` of a ``distributed_inference`` call.
+        idle, moving, where, inside: Its progress signals (seconds since one moved, which
+            moved, where its main thread is, whether in the library's own wait).
+        raised: It raised a failure error. t: Its wall clock, for people reading it.
+        diag: Diagnosis requests it answered. stack: Its main thread's stack (answers).
+        board: Step, phase and op were read from its shared-memory board (``with_board``).
+    """
+
+    rank: int
+    host: str
+    pid: int
+    beat: int
+    gen: int
+    seq: int
+    op: str
+    in_op: bool
+    step: int
+    phase: str
+    section: str
+    section_left: float | None
+    status: str
+    compute_s: float
+    progress: list[int] | None
+    idle: float
+    moving: list[str]
+    where: str
+    inside: bool
+    raised: bool
+    t: float
+    diag: int
+    stack: str
+    board: bool
+
+
+#: The type each field of a heartbeat must have (``float`` fields take an int too).
+_STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("rank", "pid", "beat", "gen", "seq", "step", "diag"), (int,)),
+    **dict.fromkeys(("host", "op", "phase", "section", "status", "where", "stack"), (str,)),
+    **dict.fromkeys(("in_op", "inside", "raised", "board"), (bool,)),
+    **dict.fromkeys(("compute_s", "idle", "t"), (int, float)),
+    "section_left": (int, float, type(None)),
+    "progress": (list, type(None)),
+    "moving": (list,),
+}
+
+
+def state_problem(record: Mapping[str, Any]) -> str:
+    """Why ``record`` is not a heartbeat the library publishes ("" if it is one): a field
+    of :class:`HeartbeatState` holds another type (an int is never taken for a bool, nor
+    a bool for a number)."""
+    for name, types in _STATE_FIELDS.items():
+        if name not in record:
+            continue
+        value = record[name]
+        if isinstance(value, bool) != (bool in types) and value is not None:
+            return f"{name!r} is {type(value).__name__}"
+        if not isinstance(value, types):
+            return f"{name!r} is {type(value).__name__}"
+    return ""
+
+
+def decode_state(record: dict[str, Any], name: str) -> HeartbeatState | None:
+    """``record``, read under ``name``, as a :class:`HeartbeatState` (its other fields
+    dropped), or None when it is not a heartbeat the library publishes (counted and
+    logged once per key family, see :func:`state_problem`)."""
+    problem = state_problem(record)
+    if problem:
+        _note_rejected(name, problem)
+        return None
+    return {k: v for k, v in record.items() if k in _STATE_FIELDS}  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -822,13 +909,23 @@ class ControlPlane:
     def read_infos(self, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
         return self._multi_get_json([f"info/{r}" for r in ranks], ranks)
 
-    def publish_state(self, rank: int, state: dict[str, Any]) -> None:
-        self._set(f"state/{rank}", state)
+    def publish_state(self, rank: int, state: HeartbeatState) -> None:
+        self._set(f"state/{rank}", dict(state))
 
-    def read_states(self, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
-        """The heartbeat states of ``ranks``; a rank whose state is not a valid record
-        (another process overwrote it) is left out."""
-        return self._multi_get_json([f"state/{r}" for r in ranks], ranks)
+    def read_states(self, ranks: Sequence[int]) -> dict[int, HeartbeatState]:
+        """The heartbeat states of ``ranks``, decoded (:func:`decode_state`); a rank whose
+        state is not a valid record (another process overwrote it) is left out."""
+        return self._decoded(self._multi_get_json([f"state/{r}" for r in ranks], ranks))
+
+    def _decoded(self, records: dict[int, dict[str, Any]]) -> dict[int, HeartbeatState]:
+        """The heartbeats among ``records`` (rank -> record read), decoded; a record that
+        is not one is left out (:func:`decode_state`)."""
+        out = {}
+        for r, rec in records.items():
+            state = decode_state(rec, self._name(f"state/{r}"))
+            if state is not None:
+                out[r] = state
+        return out
 
     def finish_inference(self, call: int) -> int:
         """Count this rank finished with inference call ``call``; how many have now."""
@@ -880,7 +977,7 @@ class ControlPlane:
 
     def poll(
         self, watched: Sequence[int], *, joins: bool = False
-    ) -> tuple[int, int, dict[int, dict[str, Any]], int]:
+    ) -> tuple[int, int, dict[int, HeartbeatState], int]:
         """Read, in one round trip, the event count, the diagnosis counter, the states of
         the watched ranks and, with ``joins``, the job's join request counter (``join/n``,
         which elastic training creates; -1 without)."""
@@ -888,7 +985,8 @@ class ControlPlane:
         keys = [f"{g}/ev/n", f"{g}/diag"] + [f"{g}/state/{r}" for r in watched]
         before = self._beats_before()
         raw = self._call(self.root.multi_get, keys + (["join/n"] if joins else []))
-        states = self._parse(keys[2:], watched, raw[2 : 2 + len(watched)], before, prefixed=True)
+        parsed = self._parse(keys[2:], watched, raw[2 : 2 + len(watched)], before, prefixed=True)
+        states = self._decoded(parsed)
         events = _number(raw[0], keys[0])
         if events is None or self._log.behind:
             # The counter holds data the job did not write, or the last read of the log

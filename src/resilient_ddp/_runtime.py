@@ -581,7 +581,7 @@ class Runtime:
         with self.lock:
             self.pending.discard(p)
 
-    def snapshot(self, beat: int) -> dict[str, Any]:
+    def snapshot(self, beat: int) -> ctl.HeartbeatState:
         return {
             "rank": self.rank,
             "host": self.identity["host"],
@@ -611,7 +611,7 @@ class Runtime:
             "t": _clock.wall(),
         }
 
-    def note_beat(self, rank: int, state: dict[str, Any]) -> float:
+    def note_beat(self, rank: int, state: ctl.HeartbeatState) -> float:
         """Note that this process sees ``state`` (rank ``rank``'s published state) now.
 
         Returns:
@@ -916,7 +916,7 @@ class Runtime:
         elif waited > 1.0:
             self._logger.info("kept the store up %.1f s for the peers", waited)
 
-    def _done_with_store(self, rank: int, state: dict[str, Any]) -> bool:
+    def _done_with_store(self, rank: int, state: ctl.HeartbeatState) -> bool:
         if state.get("status") in ("left", "failed"):
             return True
         with self.lock:

@@ -104,7 +104,7 @@ def _diagnose_here(
     others = [r for r in range(rt.world_size) if r != rt.rank]
     request = control.request_diagnosis()
     deadline = _clock.monotonic() + rt.diagnosis_window()
-    answers: dict[int, dict[str, Any]] = {}
+    answers: dict[int, ctl.HeartbeatState] = {}
     seen_at: dict[int, float] = {}  # when (monotonic) this process saw each answer
     states = control.read_states(others)
     while True:
@@ -206,7 +206,7 @@ def straggler_report(rt: Runtime, control: ctl.ControlPlane) -> dict[str, Any]:
 
 
 def _culprit_extra(
-    beat: dict[str, Any], state: dict[str, Any], silent_s: float, seen: float
+    beat: ctl.HeartbeatState, state: ctl.HeartbeatState, silent_s: float, seen: float
 ) -> dict[str, Any]:
     """What a diagnosis adds to a late rank's culprit from its last heartbeat ``beat``
     (``state``: its state as judged), ``silent_s`` seconds old by this process's clock

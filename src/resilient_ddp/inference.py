@@ -1503,7 +1503,7 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
-def _done(state: dict[str, Any], call: int) -> int:
+def _done(state: ctl.HeartbeatState, call: int) -> int:
     """Items a rank's heartbeat says it processed in inference call ``call`` (0 while its
     heartbeat still shows an earlier call)."""
     progress = state.get("progress")

@@ -43,15 +43,6 @@ log = logging.getLogger("resilient_ddp")
 _MAX_TICK_ERRORS = 5  # consecutive unexpected errors before the watchdog stops
 _STRAGGLER_STREAK = 3  # slow checks in a row before a rank is reported as a straggler
 
-# The fields of a heartbeat that the code reading it relies on, with the types it needs.
-_STATE_FIELDS: dict[str, Any] = {
-    "beat": int,
-    "seq": int,
-    "step": int,
-    "t": ctl.NUMBER,
-    "status": str,
-}
-
 
 def watch_targets(rank: int, world: int, hosts: Mapping[int, str | None]) -> list[int]:
     """The ranks whose heartbeats ``rank`` watches, sorted; never ``rank`` itself.
@@ -158,7 +149,7 @@ class Watchdog(threading.Thread):
         self.stopped_error: ControlPlaneError | None = None
         # Each watched rank's last well-formed state: a state overwritten with garbage
         # does not hide that rank's silence.
-        self._good_states: dict[int, dict[str, Any]] = {}
+        self._good_states: dict[int, ctl.HeartbeatState] = {}
 
     @property
     def beats(self) -> int:
@@ -405,44 +396,31 @@ class Watchdog(threading.Thread):
         self._joins_known = joins
 
     # -- records written by others ----------------------------------------------------------
-    def _malformed(self, kind: str, key: str, problem: str) -> None:
-        """Log (once per ``kind`` of record, for this watchdog) that a record was skipped."""
-        self._logger.warn_once(
-            ("malformed", kind),
-            "resilient_ddp watchdog skipped a malformed %s under %r in the "
-            "control-plane store (%s): another process wrote it; further ones are skipped "
-            "silently",
-            kind,
-            key,
-            problem,
-        )
-
-    def _usable_states(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """The watched ranks' states, each malformed one (left out by the control plane,
-        or with a field of the wrong type) replaced by that rank's last good one."""
+    def _usable_states(
+        self, states: dict[int, ctl.HeartbeatState]
+    ) -> dict[int, ctl.HeartbeatState]:
+        """The watched ranks' states, each one the control plane left out (not a heartbeat
+        the library publishes: another process wrote it) replaced by that rank's last good
+        one, so that its silence goes on being timed."""
         usable = {}
         for r in self.watched:
             s = states.get(r)
             if s is not None:
-                problem = ctl.bad_field(s, _STATE_FIELDS, ())
-                if not problem:
-                    usable[r] = self._good_states[r] = s
-                    continue
-                self._malformed("state", f"state/{r}", problem)
-            # Its beat did not change: its silence goes on being timed.
+                usable[r] = self._good_states[r] = s
+                continue
             last = self._good_states.get(r)
             if last is not None:
                 usable[r] = last
         return usable
 
-    def _state(self, *, with_stack: bool = False) -> dict[str, Any]:
+    def _state(self, *, with_stack: bool = False) -> ctl.HeartbeatState:
         state = self.rt.snapshot(self._beat)
         state["diag"] = self._diag_answered
         if with_stack:
             state["stack"] = self.rt.main_stack()
         return state
 
-    def _check_heartbeats(self, states: dict[int, dict[str, Any]]) -> None:
+    def _check_heartbeats(self, states: dict[int, ctl.HeartbeatState]) -> None:
         now = time.monotonic()
         # A store that fell behind kept this watchdog from looking (its calls did not
         # return) and the peers from publishing alike: silence is counted only while this
@@ -570,11 +548,11 @@ class Watchdog(threading.Thread):
             state = with_board(state, info)
             self._report(ctl.EV_CRASH, r, f"died (process {info['pid']} is gone)", state)
 
-    def _report(self, kind: str, r: int, what: str, state: dict[str, Any] | None) -> None:
+    def _report(self, kind: str, r: int, what: str, state: ctl.HeartbeatState | None) -> None:
         self._report_all(kind, [(r, what)], {r: state or {}})
 
     def _report_all(
-        self, kind: str, found: list[tuple[int, str]], states: dict[int, dict[str, Any]]
+        self, kind: str, found: list[tuple[int, str]], states: Mapping[int, ctl.HeartbeatState]
     ) -> None:
         """Report each ``(rank, what)`` that no one reported first, in one post."""
         events = []
