@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import tracemalloc
 from typing import Any
 
 import torch
@@ -186,14 +185,14 @@ class _Bomb:
 
 
 def gather_memory(rank: int, mib: int, chunk_mib: int, how: str) -> Any:
-    """What gathering ``mib`` MiB of its own rows costs this rank, in MiB.
+    """Peak RSS growth (MiB) on this rank while gathering ``mib`` MiB of its own rows.
 
-    ``py_peak``: the peak of the Python heap above its level before the call (tracemalloc:
-    every bytearray, pickle buffer and bytes object the gather makes, exactly, whatever else
-    the machine does). ``grew``: the peak resident size above the size before the call
-    (``VmHWM``), which also counts what the C++ side would copy, but moves with malloc's
-    caching and with code pages the kernel reclaimed and faults back (+14 MiB once in CI
-    for a 4 MiB piece). A first gather of two pieces' worth warms the process.
+    A first gather of two pieces' worth warms the process (the library's threads, malloc's
+    arenas, lazily imported modules), so that the growth measured is the gather's own.
+    The peak is ``VmHWM``, which also moves with malloc's caching and with code pages the
+    kernel reclaimed and faults back (+14 MiB once in CI for a 4 MiB piece): it can tell
+    a copy of the data, not a piece (``test_sending_pieces_holds_one_piece_of_python_memory``
+    measures that exactly).
     """
     _init({"op_timeout": 30.0})
     try:
@@ -203,22 +202,13 @@ def gather_memory(rank: int, mib: int, chunk_mib: int, how: str) -> Any:
         del warm
         rows = list(torch.randn(mib * 256, 1024).unbind(0))  # 4 KiB per row
         rd.barrier()
-        tracemalloc.start()
-        py_before = tracemalloc.get_traced_memory()[0]
         before = peak_rss_mib(reset=True)
         if how == "ours":
             got = rd.gather_to_rank0(rows, chunk_bytes=chunk_mib << 20)
         else:
             got = rd.all_gather_object(rows)
         grew = peak_rss_mib() - before
-        py_peak = (tracemalloc.get_traced_memory()[1] - py_before) / (1 << 20)
-        tracemalloc.stop()
-        return {
-            "grew": grew,
-            "py_peak": py_peak,
-            "before": before,
-            "items": None if got is None else len(got),
-        }
+        return {"grew": grew, "before": before, "items": None if got is None else len(got)}
     finally:
         rd.destroy_process_group()
 

@@ -127,15 +127,13 @@ def test_gather_memory_of_a_sending_rank_stays_near_its_own_data() -> None:
     assert all(o.exitcode == 0 for o in outcomes), format_outcomes(outcomes)
     got = {o.rank: o.value for o in outcomes}
     assert got[0]["items"] == 3 * mib * 256, got  # every row reached rank 0
-    # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece and one row's pickle.
-    # The Python heap's peak says so exactly (tracemalloc); growing pieces by reallocation
-    # held two pieces and more, and the list-based all_gather_object holds twice the data.
-    # The resident peak also counts copies on the C++ side, but moves by several MiB with
-    # malloc's caching and reclaimed code pages (+4 MiB quiet, +14 MiB once in CI), so it
-    # bounds only a copy of the data.
+    # Rank 1 holds 96 MiB of rows; sending them costs one 4 MiB piece and one row's pickle
+    # (+4 MiB measured on a quiet machine); the list-based all_gather_object holds twice
+    # the data. The resident peak also moves with malloc's caching and reclaimed code pages
+    # (+14 MiB once in CI), so it bounds a copy of the data; the piece is bounded exactly
+    # by test_inference_unit's Python heap measure.
     for r in (1, 2):
-        py_peak, grew = got[r]["py_peak"], got[r]["grew"]
-        assert py_peak < chunk_mib + 0.5, f"rank {r}: Python heap peaked {py_peak:.2f} MiB up"
+        grew = got[r]["grew"]
         assert grew < mib / 2, f"rank {r}'s peak grew by {grew:.1f} MiB sending {mib} MiB"
     # Rank 0 holds everyone's: at least the other two ranks' data.
     assert got[0]["grew"] > 1.5 * mib, got

@@ -76,6 +76,41 @@ def test_compact_pickling_keeps_dtype_shape_and_values(t: torch.Tensor) -> None:
     assert torch.equal(back, t)
 
 
+# Run in a fresh single-threaded interpreter: tracemalloc.stop() can crash CPython 3.11
+# while another thread allocates (a rank's gloo thread did, once), and this one has none.
+_PIECES_PEAK = """
+import sys, tracemalloc
+import torch
+from resilient_ddp.gather import _pieces
+rows = list(torch.randn(int(sys.argv[1]) * 256, 1024).unbind(0))  # 4 KiB rows
+chunk = int(sys.argv[2]) << 20
+tracemalloc.start()
+before = tracemalloc.get_traced_memory()[0]
+for piece in _pieces(rows, torch.arange(len(rows)), chunk):
+    pass
+print((tracemalloc.get_traced_memory()[1] - before) / (1 << 20))
+"""
+
+
+def test_sending_pieces_holds_one_piece_of_python_memory() -> None:
+    """Cutting 48 MiB of rows into 4 MiB pieces holds one piece and one row's pickle at a
+    time (the Python heap's exact peak): growing a piece by reallocation held two pieces
+    and more, and the list-based all_gather_object holds twice the data."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PIECES_PEAK, "48", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    peak = float(done.stdout.split()[-1])
+    assert 4.0 <= peak < 4.5, f"the pieces held {peak:.2f} MiB of Python memory at once"
+
+
 @pytest.mark.parametrize("with_indices", [False, True])
 def test_gather_pieces_stay_within_chunk_bytes_and_parse_back(with_indices: bool) -> None:
     from resilient_ddp.gather import _parse, _pieces
