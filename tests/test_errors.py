@@ -8,7 +8,7 @@ from typing import TypeVar
 import pytest
 
 import resilient_ddp as rd
-from resilient_ddp.errors import error_head, failure_message
+from resilient_ddp.errors import Culprit, decode_culprit, error_head, failure_message
 
 T = TypeVar("T")
 
@@ -149,3 +149,23 @@ def test_a_failure_message_names_its_culprits_or_says_none_was_found() -> None:
     assert failure_message("h", []) == (
         "h; every rank arrived but the data plane did not complete the op (network?)"
     )
+
+
+@pytest.mark.parametrize(
+    ("record", "ok"),
+    [
+        pytest.param(Culprit.record(1, "died", stack=None, alive=False, idle=2.0), True, id="own"),
+        pytest.param({"rank": 1, "what": "late", "unknown": object()}, True, id="extra-kept"),
+        pytest.param({"what": "late"}, False, id="no-rank"),
+        pytest.param({"rank": "1"}, False, id="rank-str"),
+        pytest.param({"rank": True}, False, id="rank-bool"),
+        pytest.param({"rank": 1, "alive": 1}, False, id="alive-int"),
+        pytest.param({"rank": 1, "moving": "cpu"}, False, id="moving-str"),
+        pytest.param({"rank": 1, "stack": 3}, False, id="stack-int"),
+        pytest.param(["rank", 1], False, id="not-an-object"),
+    ],
+)
+def test_a_culprit_read_from_the_store_is_taken_only_with_its_fields_types(
+    record: object, ok: bool
+) -> None:
+    assert (decode_culprit(record) is record) is ok

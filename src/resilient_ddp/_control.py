@@ -108,7 +108,7 @@ import torch.distributed as dist
 
 from . import _clock
 from ._events import plain_log
-from .errors import ControlPlaneError, Culprit
+from .errors import ControlPlaneError, Culprit, record_problem
 
 __all__: list[str] = []
 
@@ -238,17 +238,8 @@ _STATE_FIELDS: dict[str, tuple[type, ...]] = {
 
 def state_problem(record: Mapping[str, Any]) -> str:
     """Why ``record`` is not a heartbeat the library publishes ("" if it is one): a field
-    of :class:`HeartbeatState` holds another type (an int is never taken for a bool, nor
-    a bool for a number)."""
-    for name, types in _STATE_FIELDS.items():
-        if name not in record:
-            continue
-        value = record[name]
-        if isinstance(value, bool) != (bool in types) and value is not None:
-            return f"{name!r} is {type(value).__name__}"
-        if not isinstance(value, types):
-            return f"{name!r} is {type(value).__name__}"
-    return ""
+    of :class:`HeartbeatState` holds another type (:func:`~.errors.record_problem`)."""
+    return record_problem(record, _STATE_FIELDS)
 
 
 def decode_state(record: dict[str, Any], name: str) -> HeartbeatState | None:

@@ -19,13 +19,13 @@ from . import _diagnosis as dg
 from ._board import with_board
 from ._events import rank_log
 from ._runtime import RECOVERY_PHASE, Runtime, in_own_wait
-from .errors import ControlPlaneError, Culprit
+from .errors import ControlPlaneError, Culprit, CulpritRecord, decode_culprit
 
 # Verdicts worded from the diagnosing rank's side (the majority rule): never shared.
 _RELATIVE_BLAMES = frozenset({dg.Blame.DIVERGED.name, dg.Blame.THIS_RANK_DIVERGED.name})
 
 
-def diagnose(rt: Runtime, control: ctl.ControlPlane, name: str, seq: int) -> list[dict[str, Any]]:
+def diagnose(rt: Runtime, control: ctl.ControlPlane, name: str, seq: int) -> list[CulpritRecord]:
     """Find the ranks that keep op ``seq`` from completing, asking each for its stack.
 
     One rank diagnoses each round (the first of the ranks waiting in ``seq`` whose
@@ -66,7 +66,7 @@ def diagnose(rt: Runtime, control: ctl.ControlPlane, name: str, seq: int) -> lis
     return taken
 
 
-def culprits_for_reader(verdict: dict[str, Any], rank: int) -> list[dict[str, Any]] | None:
+def culprits_for_reader(verdict: dict[str, Any], rank: int) -> list[CulpritRecord] | None:
     """The culprits of a peer's shared ``verdict`` that hold for ``rank``, its reader, or
     None when it must diagnose itself. The verdict was made when the reader had not
     arrived yet, maybe: the reader waits in the op now, so it is never its own culprit
@@ -75,7 +75,7 @@ def culprits_for_reader(verdict: dict[str, Any], rank: int) -> list[dict[str, An
     culprits = verdict.get("culprits")
     if not isinstance(culprits, list):
         return None
-    named = [c for c in culprits if isinstance(c, dict)]
+    named = [c for c in map(decode_culprit, culprits) if c is not None]
     mine = [c for c in named if c.get("rank") != rank]
     if named and not mine:
         return None
@@ -98,7 +98,7 @@ def verdict_stale(rt: Runtime, control: ctl.ControlPlane, verdict: dict[str, Any
 
 def _diagnose_here(
     rt: Runtime, control: ctl.ControlPlane, name: str, seq: int
-) -> list[dict[str, Any]]:
+) -> list[CulpritRecord]:
     """:func:`diagnose`, by this rank: reads every other rank's state once, then those
     that have not answered every 50 ms."""
     others = [r for r in range(rt.world_size) if r != rt.rank]
@@ -122,7 +122,7 @@ def _diagnose_here(
         # Only the ranks that have not answered: with every survivor of a stuck rank
         # diagnosing at once, re-reading all W states each round made W^2 reads a round.
         states.update(control.read_states([r for r in others if r not in answers]))
-    culprits: list[dict[str, Any]] = []
+    culprits: list[CulpritRecord] = []
     verdicts: dict[int, dg.Verdict] = {}
     ops: dict[int, str] = {}  # what the others issued at seq, for the majority rule
     hb_timeout = rt.config.heartbeat_timeout.total_seconds()

@@ -49,6 +49,7 @@ from .errors import (
     CollectiveTimeoutError,
     ConfigError,
     Culprit,
+    CulpritRecord,
     RankFailureError,
     RetryBudgetExhaustedError,
     error_head,
@@ -232,7 +233,7 @@ class Op:
         attempts = self.policy.attempts if isinstance(self.policy, RetryPolicy) else 0
         self.bounds_call = bounds_call
         self._lead = 0.0  # bounds_call: how long before the deadline the last diagnosis starts
-        self._final: list[dict[str, Any]] | None = None  # bounds_call: raise these at the end
+        self._final: list[CulpritRecord] | None = None  # bounds_call: raise these at the end
         if bounds_call:
             if timeout is None or budget is not None:
                 raise ConfigError("bounds_call takes a timeout and no budget")
@@ -579,7 +580,7 @@ class Op:
             return now + first
         return max(now, min(now + first, self.deadline - self._lead))
 
-    def _next_check(self, culprits: list[dict[str, Any]]) -> float:
+    def _next_check(self, culprits: list[CulpritRecord]) -> float:
         """When to diagnose again, after a diagnosis found every late rank alive. With
         ``bounds_call``, once no other diagnosis fits before the deadline, ``culprits`` are
         the ones :meth:`_attempt_timed_out` raises at the deadline."""
@@ -644,7 +645,7 @@ class Op:
             return self.deadline
         return self.raise_timeout([self._busy_to_the_end(c) for c in culprits])
 
-    def _busy_to_the_end(self, c: dict[str, Any]) -> dict[str, Any]:
+    def _busy_to_the_end(self, c: CulpritRecord) -> CulpritRecord:
         """Culprit ``c`` as the op gives up, its ``what`` saying what it was busy with if
         it was busy."""
         if not self._is_busy(c):
@@ -657,7 +658,7 @@ class Op:
             f"({self.busy_s:.0f} s) ran out",
         }
 
-    def _keep_waiting(self, culprits: list[dict[str, Any]]) -> bool:
+    def _keep_waiting(self, culprits: list[CulpritRecord]) -> bool:
         """Whether to wait on the same handle for another attempt timeout: the late ranks
         are all alive and budget is left. Late ranks all busy in a section with a budget
         extend the deadline to that budget's end, unless the caller's ``timeout`` bounds
@@ -703,7 +704,7 @@ class Op:
         )
         return True
 
-    def _is_busy(self, c: dict[str, Any]) -> bool:
+    def _is_busy(self, c: CulpritRecord) -> bool:
         """Whether late rank ``c`` (a diagnosis's culprit) is outside any collective and
         its progress signals moved within the stuck window."""
         if c.get("blame") == "RUNNING_UNHEARD":
@@ -716,7 +717,7 @@ class Op:
             and idle < self.window_s
         )
 
-    def _stuck(self, culprits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _stuck(self, culprits: list[CulpritRecord]) -> list[CulpritRecord]:
         """The late ranks of ``culprits`` that are stuck: alive, outside any collective
         and outside a section with a budget, and none of their progress signals moved for
         the stuck window. Each one's ``what`` says so."""
@@ -731,16 +732,15 @@ class Op:
                 and isinstance(idle, float)
                 and idle >= self.window_s
             ):
-                out.append(
-                    {
-                        **c,
-                        "what": f"{c['what']}, and is stuck: nothing it does (CPU time, "
-                        f"Python stack, I/O) moved for {idle:.1f} s",
-                    }
+                stuck = c.copy()
+                stuck["what"] = (
+                    f"{c['what']}, and is stuck: nothing it does (CPU time, "
+                    f"Python stack, I/O) moved for {idle:.1f} s"
                 )
+                out.append(stuck)
         return out
 
-    def _tell_busy(self, working: list[dict[str, Any]]) -> None:
+    def _tell_busy(self, working: list[CulpritRecord]) -> None:
         """Say what the busy late ranks do: a log line and a ``busy`` event, at first and
         then every :data:`_BUSY_REPORT_S`."""
         now = time.monotonic()
@@ -826,7 +826,7 @@ class Op:
             cls_name="failure",
         )
 
-    def raise_timeout(self, culprits: list[dict[str, Any]]) -> NoReturn:
+    def raise_timeout(self, culprits: list[CulpritRecord]) -> NoReturn:
         """Raise this op's timeout, naming ``culprits`` (late ranks, from a diagnosis), after
         posting it for the other ranks.
 
@@ -850,7 +850,7 @@ class Op:
     def _post_and_raise(
         self,
         cls: type[RankFailureError],
-        culprits: list[dict[str, Any]],
+        culprits: list[CulpritRecord],
         reason: str,
         *,
         cause: BaseException | None,

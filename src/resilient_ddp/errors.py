@@ -30,7 +30,7 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
@@ -88,6 +88,82 @@ class ConfigError(ResilientDDPError, ValueError):
     """Raised when a setting (argument, config field or environment variable) is invalid."""
 
 
+def record_problem(record: Mapping[str, Any], fields: Mapping[str, tuple[type, ...]]) -> str:
+    """Why ``record`` (a JSON object read from the store) is not one the library writes
+    ("" if it is one): a field of ``fields`` (name -> the types it may have; ``float``
+    fields list ``int`` too) holds another type. An int is never taken for a bool, nor a
+    bool for a number."""
+    for name, types in fields.items():
+        if name not in record:
+            continue
+        value = record[name]
+        if isinstance(value, bool) != (bool in types) and value is not None:
+            return f"{name!r} is {type(value).__name__}"
+        if not isinstance(value, types):
+            return f"{name!r} is {type(value).__name__}"
+    return ""
+
+
+class CulpritRecord(TypedDict, total=False):
+    """The JSON form of a :class:`Culprit` (:meth:`Culprit.record`), as failure events and
+    diagnoses carry it on the store; a diagnosis adds what it judged the rank by.
+
+    Attributes:
+        rank, host, pid, what, op, seq, step, phase, section, exc_type, exc_message,
+            traceback, stack, state_age: As :class:`Culprit`'s.
+        blame: The diagnosis's :class:`~._diagnosis.Blame` name.
+        alive: The rank's process is alive (answered, runs, or a fresh heartbeat).
+        idle, moving, where, inside: Its progress signals: seconds since one moved, which
+            moved, where its main thread is, whether in one of the library's own waits.
+        busy_left: Seconds left in the budget of the section it is in.
+    """
+
+    rank: int
+    host: str
+    pid: int
+    what: str
+    op: str
+    seq: int
+    step: int
+    phase: str
+    section: str
+    exc_type: str | None
+    exc_message: str | None
+    traceback: str | None
+    stack: str | None
+    state_age: float
+    blame: str
+    alive: bool
+    idle: float
+    moving: list[str]
+    where: str
+    inside: bool
+    busy_left: float
+
+
+_OPT_STR = (str, type(None))
+#: The types of :class:`CulpritRecord`'s fields.
+CULPRIT_FIELDS: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("rank", "pid", "seq", "step"), (int,)),
+    **dict.fromkeys(("host", "what", "op", "phase", "section", "blame", "where"), (str,)),
+    **dict.fromkeys(("exc_type", "exc_message", "traceback", "stack"), _OPT_STR),
+    **dict.fromkeys(("state_age", "idle", "busy_left"), (int, float)),
+    **dict.fromkeys(("alive", "inside"), (bool,)),
+    "moving": (list,),
+}
+
+
+def decode_culprit(record: object) -> CulpritRecord | None:
+    """``record`` (read from the store) as a :class:`CulpritRecord`, or None when it is
+    not one the library writes (not an object, no ``rank``, or a field of another type:
+    :func:`record_problem`)."""
+    if not isinstance(record, dict) or not isinstance(record.get("rank"), int):
+        return None
+    if record_problem(record, CULPRIT_FIELDS):
+        return None
+    return cast("CulpritRecord", record)
+
+
 @dataclass(frozen=True)
 class Culprit:
     """What is known about one rank that caused a failure.
@@ -133,7 +209,7 @@ class Culprit:
         info: Mapping[str, Any] | None = None,
         state: Mapping[str, Any] | None = None,
         **extra: Any,
-    ) -> dict[str, Any]:
+    ) -> CulpritRecord:
         """The JSON form of a culprit (what events and diagnoses carry on the store).
 
         Args:
@@ -148,7 +224,7 @@ class Culprit:
         """
         info = info or {}
         state = state or {}
-        c: dict[str, Any] = {
+        c: CulpritRecord = {
             "rank": rank,
             "host": info.get("host", state.get("host", "?")),
             "pid": info.get("pid", state.get("pid", 0)),
@@ -161,8 +237,7 @@ class Culprit:
         }
         if "t" in state:
             c["state_age"] = round(max(0.0, time.time() - float(state["t"])), 3)
-        c.update(extra)
-        return c
+        return cast("CulpritRecord", {**c, **extra})
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Culprit:

@@ -34,7 +34,7 @@ from ._board import with_board
 from ._events import rank_log
 from ._runtime import Runtime
 from ._traces import qualname
-from .errors import ControlPlaneError, Culprit
+from .errors import ControlPlaneError, Culprit, CulpritRecord
 
 __all__: list[str] = []
 
@@ -566,7 +566,7 @@ class Watchdog(threading.Thread):
             self.control.post_events(events)
             self.poke()
 
-    def _event(self, kind: str, rank: int, culprit: dict[str, Any]) -> dict[str, Any]:
+    def _event(self, kind: str, rank: int, culprit: CulpritRecord) -> dict[str, Any]:
         return {
             "kind": kind,
             "rank": rank,
@@ -576,7 +576,7 @@ class Watchdog(threading.Thread):
             "culprit": culprit,
         }
 
-    def _post(self, kind: str, rank: int, culprit: dict[str, Any]) -> None:
+    def _post(self, kind: str, rank: int, culprit: CulpritRecord) -> None:
         """Post an event about ``rank`` from this thread's own store connection."""
         self.control.post_events([self._event(kind, rank, culprit)])
 
