@@ -257,8 +257,11 @@ def torchrun_main() -> None:
 
     out_dir, faults = sys.argv[1], json.loads(sys.argv[2])
     stats = train(int(os.environ.get("RANK", "-1")), out_dir, faults, 200, {}, 0.01)
-    with open(os.path.join(out_dir, f"final_{os.getpid()}.json"), "w") as f:
+    # Written whole, then renamed: the test reads it once it exists.
+    path = os.path.join(out_dir, f"final_{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(stats, f)
+    os.replace(path + ".tmp", path)
 
 
 def lone_joiner(rank: int) -> dict[str, Any]:

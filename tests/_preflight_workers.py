@@ -118,6 +118,10 @@ def two_host_main() -> None:
         record.update(error_summary(e, t0))
         record["raised_at"] = time.time()
         record["step"] = step
-    with open(os.path.join(out_dir, f"result{rank}.json"), "w") as f:
+    # Written whole, then renamed: the test reads it as soon as it exists (it once read an
+    # empty file, in CI).
+    path = os.path.join(out_dir, f"result{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(record, f)
+    os.replace(path + ".tmp", path)
     rd.destroy_process_group()
