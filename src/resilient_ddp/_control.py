@@ -108,7 +108,7 @@ import torch.distributed as dist
 
 from . import _clock
 from ._events import plain_log
-from .errors import ControlPlaneError, Culprit, record_problem
+from .errors import ControlPlaneError, Culprit, culprit_problem, field_types, record_problem
 
 __all__: list[str] = []
 
@@ -127,27 +127,13 @@ EV_SECTION = "section"  # a rank overran the budget of a section it declared
 # Fields that the code reading a record relies on, with the types it needs (a field may be
 # absent unless required). A record that breaks them is not one the library wrote.
 NUMBER = (int, float)
-_CULPRIT_FIELDS: dict[str, Any] = {
-    "rank": int,
-    "pid": int,
-    "seq": int,
-    "step": int,
-    "state_age": NUMBER,
+_EVENT_FIELDS: dict[str, tuple[type, ...]] = {"reporter": (int,), "final_seq": (int,)}
+_TIMEOUT_FIELDS: dict[str, tuple[type, ...]] = {
+    "seq": (int,),
+    "waited": NUMBER,
+    "culprits": (list,),
 }
-_EVENT_FIELDS: dict[str, Any] = {"reporter": int, "final_seq": int}
-_TIMEOUT_FIELDS: dict[str, Any] = {"seq": int, "waited": NUMBER, "culprits": list}
-
-
-def bad_field(record: Mapping[str, Any], types: dict[str, Any], required: tuple[str, ...]) -> str:
-    """The first field of ``record`` that is missing (of ``required``) or of the wrong
-    type, described; "" when there is none."""
-    for name in required:
-        if name not in record:
-            return f"no {name!r}"
-    for name, kind in types.items():
-        if name in record and not isinstance(record[name], kind):
-            return f"{name!r} is {type(record[name]).__name__}"
-    return ""
+_FAILURE_FIELDS: dict[str, tuple[type, ...]] = {"rank": (int,), "culprit": (dict,)}
 
 
 def event_problem(ev: Any) -> str:
@@ -157,21 +143,19 @@ def event_problem(ev: Any) -> str:
         return f"a {type(ev).__name__}, not an object"
     if not isinstance(ev.get("kind"), str):
         return "no 'kind'"
-    problem = bad_field(ev, _EVENT_FIELDS, ("reporter",))
+    problem = record_problem(ev, _EVENT_FIELDS, ("reporter",))
     if problem:
         return problem
     if ev["kind"] == EV_TIMEOUT:
-        problem = bad_field(ev, _TIMEOUT_FIELDS, ("op", "seq", "waited"))
+        problem = record_problem(ev, _TIMEOUT_FIELDS, ("op", "seq", "waited"))
         culprits = ev.get("culprits", [])
     else:
-        problem = bad_field(ev, {"rank": int, "culprit": dict}, ("rank", "culprit"))
+        problem = record_problem(ev, _FAILURE_FIELDS, ("rank", "culprit"))
         culprits = [ev.get("culprit")]
     for c in culprits:
         if problem:
             break
-        if not isinstance(c, dict):
-            return "a culprit that is not an object"
-        problem = bad_field(c, _CULPRIT_FIELDS, ("rank",))
+        problem = culprit_problem(c)
     return problem
 
 
@@ -224,16 +208,8 @@ class HeartbeatState(TypedDict, total=False):
     board: bool
 
 
-#: The type each field of a heartbeat must have (``float`` fields take an int too).
-_STATE_FIELDS: dict[str, tuple[type, ...]] = {
-    **dict.fromkeys(("rank", "pid", "beat", "gen", "seq", "step", "diag"), (int,)),
-    **dict.fromkeys(("host", "op", "phase", "section", "status", "where", "stack"), (str,)),
-    **dict.fromkeys(("in_op", "inside", "raised", "board"), (bool,)),
-    **dict.fromkeys(("compute_s", "idle", "t"), (int, float)),
-    "section_left": (int, float, type(None)),
-    "progress": (list, type(None)),
-    "moving": (list,),
-}
+#: The types of :class:`HeartbeatState`'s fields.
+_STATE_FIELDS = field_types(HeartbeatState)
 
 
 def state_problem(record: Mapping[str, Any]) -> str:

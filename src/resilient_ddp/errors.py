@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import signal
 import time
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict, cast
@@ -88,20 +90,42 @@ class ConfigError(ResilientDDPError, ValueError):
     """Raised when a setting (argument, config field or environment variable) is invalid."""
 
 
-def record_problem(record: Mapping[str, Any], fields: Mapping[str, tuple[type, ...]]) -> str:
+def record_problem(
+    record: Mapping[str, Any],
+    fields: Mapping[str, tuple[type, ...]],
+    required: tuple[str, ...] = (),
+) -> str:
     """Why ``record`` (a JSON object read from the store) is not one the library writes
-    ("" if it is one): a field of ``fields`` (name -> the types it may have; ``float``
-    fields list ``int`` too) holds another type. An int is never taken for a bool, nor a
-    bool for a number."""
-    for name, types in fields.items():
+    ("" if it is one): a field of ``required`` is missing, or a field of ``fields`` (name
+    -> the types it may have; ``float`` fields list ``int`` too, see :func:`field_types`)
+    holds another type. An int is never taken for a bool, nor a bool for a number."""
+    for name in required:
+        if name not in record:
+            return f"no {name!r}"
+    for name, kinds in fields.items():
         if name not in record:
             continue
         value = record[name]
-        if isinstance(value, bool) != (bool in types) and value is not None:
+        if isinstance(value, bool) != (bool in kinds) and value is not None:
             return f"{name!r} is {type(value).__name__}"
-        if not isinstance(value, types):
+        if not isinstance(value, kinds):
             return f"{name!r} is {type(value).__name__}"
     return ""
+
+
+def field_types(record_type: Any) -> dict[str, tuple[type, ...]]:
+    """The types each field of the TypedDict ``record_type`` may hold in a record read
+    back (for :func:`record_problem`): a union's members, a generic's origin (``list``
+    for ``list[str]``), and ``int`` beside ``float`` (JSON writes ``2.0`` as ``2``)."""
+    out: dict[str, tuple[type, ...]] = {}
+    for name, hint in typing.get_type_hints(record_type).items():
+        members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        kinds: list[type] = []
+        for member in members:
+            kind = typing.get_origin(member) or member
+            kinds += [int, float] if kind is float else [kind]
+        out[name] = tuple(kinds)
+    return out
 
 
 class CulpritRecord(TypedDict, total=False):
@@ -141,25 +165,23 @@ class CulpritRecord(TypedDict, total=False):
     busy_left: float
 
 
-_OPT_STR = (str, type(None))
 #: The types of :class:`CulpritRecord`'s fields.
-CULPRIT_FIELDS: dict[str, tuple[type, ...]] = {
-    **dict.fromkeys(("rank", "pid", "seq", "step"), (int,)),
-    **dict.fromkeys(("host", "what", "op", "phase", "section", "blame", "where"), (str,)),
-    **dict.fromkeys(("exc_type", "exc_message", "traceback", "stack"), _OPT_STR),
-    **dict.fromkeys(("state_age", "idle", "busy_left"), (int, float)),
-    **dict.fromkeys(("alive", "inside"), (bool,)),
-    "moving": (list,),
-}
+CULPRIT_FIELDS = field_types(CulpritRecord)
+
+
+def culprit_problem(record: object) -> str:
+    """Why ``record`` (read from the store) is not a culprit the library writes ("" if it
+    is one): not an object, no ``rank``, or a field of another type
+    (:func:`record_problem`)."""
+    if not isinstance(record, dict):
+        return "a culprit that is not an object"
+    return record_problem(record, CULPRIT_FIELDS, ("rank",))
 
 
 def decode_culprit(record: object) -> CulpritRecord | None:
     """``record`` (read from the store) as a :class:`CulpritRecord`, or None when it is
-    not one the library writes (not an object, no ``rank``, or a field of another type:
-    :func:`record_problem`)."""
-    if not isinstance(record, dict) or not isinstance(record.get("rank"), int):
-        return None
-    if record_problem(record, CULPRIT_FIELDS):
+    not one the library writes (:func:`culprit_problem`)."""
+    if culprit_problem(record):
         return None
     return cast("CulpritRecord", record)
 
