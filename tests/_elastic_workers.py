@@ -19,6 +19,8 @@ from torch import nn
 import resilient_ddp as rd
 from resilient_ddp.testing import kill_self, stop_self
 
+from ._workers import write_json
+
 N_SAMPLES = 96
 BATCH = 2
 MIN_EPOCHS = 12  # about 140 steps at 4 ranks: enough for the loss to halve
@@ -257,11 +259,7 @@ def torchrun_main() -> None:
 
     out_dir, faults = sys.argv[1], json.loads(sys.argv[2])
     stats = train(int(os.environ.get("RANK", "-1")), out_dir, faults, 200, {}, 0.01)
-    # Written whole, then renamed: the test reads it once it exists.
-    path = os.path.join(out_dir, f"final_{os.getpid()}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(stats, f)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(out_dir, f"final_{os.getpid()}.json"), stats)
 
 
 def lone_joiner(rank: int) -> dict[str, Any]:

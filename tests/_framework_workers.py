@@ -49,8 +49,8 @@ from tests._launcher_workers import (
     _inject,
     _redirect_output,
     _start_time,
-    _write_json,
 )
+from tests._workers import write_json
 
 BATCH = 4
 LR = 0.05
@@ -294,7 +294,7 @@ def main() -> None:
     rank = _rank()
     _redirect_output(out_dir, rank)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    _write_json(
+    write_json(
         out / f"start{rank}.json",
         {"rank": rank, "pid": os.getpid(), "start_time": _start_time(), "t": time.time()},
     )
@@ -302,11 +302,11 @@ def main() -> None:
     try:
         losses = FRAMEWORKS[framework](out, fault, mode)
     except BaseException as e:
-        _write_json(out / f"result{rank}.json", _error_record(rank, "train", e))
+        write_json(out / f"result{rank}.json", _error_record(rank, "train", e))
         raise
     steps_s = [b - a for a, b in itertools.pairwise(STEP_STARTS)]
-    _write_json(out / f"losses{rank}.json", {"losses": losses, "step_s": steps_s})
-    _write_json(out / f"result{rank}.json", {"rank": rank, "stage": "done", "type": None})
+    write_json(out / f"losses{rank}.json", {"losses": losses, "step_s": steps_s})
+    write_json(out / f"result{rank}.json", {"rank": rank, "stage": "done", "type": None})
 
 
 if __name__ == "__main__":

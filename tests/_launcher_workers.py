@@ -19,7 +19,6 @@ variables ``srun`` would set; rank 0 hosts the store).
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -33,6 +32,8 @@ from torch import nn
 
 import resilient_ddp as rd
 
+from ._workers import write_json
+
 WORLD = 3
 CULPRIT = 1
 FAULT_STEP = 3
@@ -43,12 +44,6 @@ HANG_S = 300.0
 # A rank still running after this long dumps every thread's stack and exits (code 1): a
 # stuck test leaves evidence. Shorter than the tests' own deadlines.
 DUMP_AFTER_S = 55.0
-
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)  # a reader never sees half a record
 
 
 def _start_time() -> int:
@@ -72,7 +67,7 @@ def _error_record(rank: int, stage: str, e: BaseException) -> dict[str, Any]:
 
 
 def _inject(fault: str, out: Path, step: int) -> None:
-    _write_json(out / "fault.json", {"kind": fault, "step": step, "t_fault": time.time()})
+    write_json(out / "fault.json", {"kind": fault, "step": step, "t_fault": time.time()})
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "raise":
@@ -88,7 +83,7 @@ def train(out_dir: str, fault: str) -> None:
     # The test sends SIGUSR1 to a rank that is stuck long after the fault: every thread's
     # stack goes to the log (registered before the start record names this pid).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    _write_json(
+    write_json(
         out / f"start{rank}.json",
         {"rank": rank, "pid": os.getpid(), "start_time": _start_time(), "t": time.time()},
     )
@@ -109,9 +104,9 @@ def train(out_dir: str, fault: str) -> None:
             loss.backward()
             opt.step()
     except BaseException as e:
-        _write_json(out / f"result{rank}.json", _error_record(rank, stage, e))
+        write_json(out / f"result{rank}.json", _error_record(rank, stage, e))
         raise
-    _write_json(out / f"result{rank}.json", {"rank": rank, "stage": "done", "type": None})
+    write_json(out / f"result{rank}.json", {"rank": rank, "stage": "done", "type": None})
     rd.destroy_process_group()
 
 

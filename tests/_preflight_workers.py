@@ -10,7 +10,7 @@ from typing import Any
 import resilient_ddp as rd
 import resilient_ddp.preflight as preflight_module
 
-from ._workers import CHILD_DUMP_AFTER_S, error_summary
+from ._workers import CHILD_DUMP_AFTER_S, error_summary, write_json
 
 BUDGET_S = 3.0  # init_timeout of these tests: how long ranks wait for the missing
 LATE_BUDGET_S = 15.0  # ... and when rank 0 starts MASTER_DELAY_S late on purpose
@@ -59,7 +59,6 @@ def start(rank: int, scenario: str, port: int) -> Any:
 def restart_main() -> None:
     """Under ``torchrun --max-restarts``: rank 1 fails in every attempt but the last, after
     the group is up; each attempt must rendezvous again on the same agent store."""
-    import json
     import sys
 
     out_dir, last = sys.argv[1], int(sys.argv[2])
@@ -70,8 +69,7 @@ def restart_main() -> None:
     rd.init_process_group("gloo", config=rd.ResilienceConfig(init_timeout=20, op_timeout=5))
     value = rd.all_reduce(torch_ones()).tolist()
     record = {"attempt": attempt, "init_s": time.monotonic() - t0, "value": value}
-    with open(os.path.join(out_dir, f"attempt{attempt}-rank{rank}.json"), "w") as f:
-        json.dump(record, f)
+    write_json(os.path.join(out_dir, f"attempt{attempt}-rank{rank}.json"), record)
     if rank == 1 and attempt < last:
         raise SystemExit(f"rank 1 fails attempt {attempt} on purpose")
     rd.barrier()
@@ -87,7 +85,6 @@ def torch_ones() -> Any:
 def two_host_main() -> None:
     """One rank of the two-"host" job (see test_multihost_netns): trains until the link
     between the hosts is cut, then records the error it got and when."""
-    import json
     import sys
 
     import torch
@@ -118,10 +115,5 @@ def two_host_main() -> None:
         record.update(error_summary(e, t0))
         record["raised_at"] = time.time()
         record["step"] = step
-    # Written whole, then renamed: the test reads it as soon as it exists (it once read an
-    # empty file, in CI).
-    path = os.path.join(out_dir, f"result{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(out_dir, f"result{rank}.json"), record)
     rd.destroy_process_group()

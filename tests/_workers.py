@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,15 @@ from resilient_ddp.testing import kill_self, stop_self
 CHILD_DUMP_AFTER_S = 50
 
 OPS = ["all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object"]
+
+
+def write_json(path: str | Path, record: Any) -> None:
+    """Write ``record`` to ``path`` whole, then rename it there: a test that reads the file
+    as soon as it exists never sees half of it (an empty file was read once, in CI)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
 
 
 def expected(op: str, world: int) -> Any:
