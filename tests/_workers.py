@@ -270,6 +270,28 @@ def lost_op(rank: int, attempts: int, cfg_kwargs: dict[str, Any]) -> Any:
         rd.destroy_process_group()
 
 
+def behind_queued_transfers(rank: int, queued: int, floats: int, cfg_kwargs: dict[str, Any]) -> Any:
+    """Every rank queues ``queued`` all_reduces of ``floats`` floats on torch's own gloo
+    (``async_op=True``), then one of the library's: every rank arrives at it at once, and
+    it completes only when gloo has moved the data queued before it. Returns its value,
+    how long it waited, and the error if it raised."""
+    _init(cfg_kwargs)
+    big = torch.ones(floats)
+    rd.all_reduce(torch.ones(1))
+    works = [dist.all_reduce(big, async_op=True) for _ in range(queued)]
+    t = torch.ones(1)
+    t0 = time.monotonic()
+    try:
+        rd.all_reduce(t)
+        return {"value": t.item(), "waited": time.monotonic() - t0}
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        for work in works:
+            work.wait()
+        rd.destroy_process_group()
+
+
 def rebuild_after_a_failed_attempt(rank: int, cfg_kwargs: dict[str, Any]) -> Any:
     """Rank 0 tries to form generation 5 alone and times out; then both ranks form
     generation 6, which must not fail because of what rank 0's failed attempt left."""

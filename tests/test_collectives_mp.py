@@ -223,6 +223,43 @@ def test_lost_op_without_retry_is_a_typed_error() -> None:
         assert v["ranks"] == []
 
 
+# No limit set: a data plane that moves is busy, one that moved nothing for the stuck
+# window is stalled (judged by the bytes and CPU ticks of each rank's gloo threads).
+DATA_PLANE = {"heartbeat_interval": 0.1, "heartbeat_timeout": 4.0, "stuck_window": 0.3}
+
+
+def test_an_op_every_rank_arrived_at_waits_for_a_data_plane_that_moves() -> None:
+    """The library's all_reduce comes after 60 queued 40 MB all_reduces: every rank has
+    arrived at it long before gloo completes it. It waits, as torch does, well past the
+    stuck window (before, it raised "the data plane did not complete the op" at the
+    first diagnosis, while the data moved)."""
+    outcomes = _run(w.behind_queued_transfers, 2, 60, 10_000_000, DATA_PLANE)
+    values = _values(outcomes, [0, 1])
+    for v in values.values():
+        assert v.get("value") == 2.0, values
+        # The wait outlasted the stuck window: the test took the path it is about.
+        assert v["waited"] > DATA_PLANE["stuck_window"], values
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_a_stalled_data_plane_is_named_in_a_stuck_window_without_a_limit(attempts: int) -> None:
+    """Rank 1's op is lost in the data plane; no op_timeout is set (60 s): the stall is
+    named (no rank to blame) about one stuck window after every rank arrived, or retried
+    as a group when retries are allowed."""
+    cfg = {**DATA_PLANE, "stuck_window": 1.0}
+    values = _values(_run(w.lost_op, 3, attempts, cfg), [0, 1, 2])
+    for v in values.values():
+        if attempts == 2:
+            assert v == {"value": [6.0, 6.0, 6.0], "after": 3.0, "generation": 1}, v
+            continue
+        assert v["type"] == "CollectiveTimeoutError", v
+        assert v["ranks"] == [], v
+        assert "data plane idle for" in v["message"], v["message"]
+        # The first look at half a window, one window idle, the diagnosis and the grace for
+        # a peer's verdict, with room for a busy machine; far less than op_timeout (60 s).
+        assert v["elapsed"] < 10.0, v
+
+
 def test_a_group_forms_after_a_failed_attempt_in_one_of_its_processes() -> None:
     """torch counts a failed ``init_process_group``'s group: without undoing that, the
     next attempt of that process rendezvouses under another name than its peers'."""

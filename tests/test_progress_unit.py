@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -209,3 +210,64 @@ def test_reading_the_main_threads_frame_survives_a_collection_freeing_a_local() 
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["frames", "200", "gc", "True"]
+
+
+def _task(root: Any, tid: int, name: str, rchar: int, wchar: int, utime: int, stime: int) -> None:
+    d = root / str(tid)
+    d.mkdir()
+    (d / "comm").write_text(name + "\n")
+    (d / "io").write_text(f"rchar: {rchar}\nwchar: {wchar}\nsyscr: 1\nread_bytes: 999\n")
+    fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5
+    (d / "stat").write_text(f"{tid} ({name}) " + " ".join(fields) + "\n")
+
+
+def test_the_data_plane_counts_gloo_threads_only(tmp_path: Any) -> None:
+    """Bytes and CPU ticks of gloo's threads, summed; the main thread's and the watchdog's
+    (heartbeats, a store hosted here) never count; a thread that ended is skipped."""
+    _task(tmp_path, 10, "python", 10**9, 10**9, 500, 500)  # the main thread
+    _task(tmp_path, 11, "python", 5000, 5000, 7, 7)  # the watchdog
+    _task(tmp_path, 12, "gloo_tcp_loop", 300, 200, 4, 1)
+    _task(tmp_path, 13, "pt_gloo_runloop", 20, 10, 2, 0)
+    (tmp_path / "14").mkdir()  # ended between the listing and the reads
+    assert pg.data_plane(str(tmp_path)) == 300 + 200 + 4 + 1 + 20 + 10 + 2
+    _task(tmp_path, 15, "pt_gloo_runloop", 1, 0, 0, 0)
+    assert pg.data_plane(str(tmp_path)) == 538  # one more byte moved
+
+
+def test_no_gloo_thread_is_no_data_plane_to_judge(tmp_path: Any) -> None:
+    """A process without gloo (NCCL moves its data on the GPU) has nothing to judge by."""
+    _task(tmp_path, 10, "python", 1, 1, 1, 1)
+    assert pg.data_plane(str(tmp_path)) is None
+    assert pg.data_plane(str(tmp_path / "gone")) is None
+
+
+def test_the_data_plane_of_this_process_moves_with_a_gloo_collective() -> None:
+    """The real reader, on this process: an all_reduce between two gloo groups of this
+    process (ranks 0 and 1 over loopback, one thread each to form them) moves it by at
+    least the bytes sent."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: list[Any] = [None, None]
+
+    def form(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+
+    threads = [threading.Thread(target=form, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(g is not None for g in groups)
+    before = pg.data_plane()
+    assert before is not None  # gloo's threads are seen
+    works = [g.allreduce([torch.ones(1_000_000)]) for g in groups]
+    for work in works:
+        work.wait(timedelta(seconds=30))
+    after = pg.data_plane()
+    groups.clear()  # their threads end with them
+    assert after is not None
+    assert after - before >= 4_000_000, (before, after)

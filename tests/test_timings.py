@@ -55,6 +55,7 @@ TABLE: dict[Callable[[ResilienceConfig], float], tuple[float, float, float]] = {
     tm.diagnosis_window: (1.25, 0.65, 5),
     tm.shared_verdict_wait: (1.25 + 2, 0.65 + 1.4, 5 + 5),
     tm.failure_check_slice: (0.25, 0.2, 0.25),
+    tm.data_plane_recheck: (0.5, 0.2, 2),
     tm.shrink_recovery_budget: (180 + 15, 9 + 2, 3 + 30),
     tm.late_proposer_grace: (1.5, 0.9, 1),
     tm.shrink_decider_wait: (1.5 + 2, 0.9 + 1.4, 1 + 5),

@@ -108,11 +108,11 @@ def read_stat(tid: int, path: str | None = None) -> tuple[str, float]:
         return "?", -1.0
 
 
-def read_io(tid: int) -> int:
-    """Bytes thread ``tid`` of this process read and wrote (rchar + wchar); -1 where
-    ``/proc`` cannot tell (or denies it)."""
+def read_io(tid: int, path: str | None = None) -> int:
+    """Bytes thread ``tid`` of this process (or the task whose ``io`` file is ``path``)
+    read and wrote (rchar + wchar); -1 where ``/proc`` cannot tell (or denies it)."""
     try:
-        with open(_task_path(tid, "io"), "rb") as f:
+        with open(path or _task_path(tid, "io"), "rb") as f:
             total = 0
             for line in f.read().decode(errors="replace").splitlines():
                 key, _, value = line.partition(":")
@@ -121,6 +121,50 @@ def read_io(tid: int) -> int:
             return total
     except (OSError, ValueError):
         return -1
+
+
+#: Name prefixes of the threads that move a gloo collective's data: gloo's transport
+#: loop (``gloo_tcp_loop``) and torch's gloo workers (``pt_gloo_runloop``).
+DATA_PLANE_THREADS = ("gloo", "pt_gloo")
+
+
+def data_plane(task_dir: str = "/proc/self/task") -> int | None:
+    """How much this process's data plane has done so far: the bytes its threads read and
+    wrote plus their CPU ticks, summed into one count that rises while a collective's data
+    moves (by the network, or by a reduction).
+
+    Only the threads named in :data:`DATA_PLANE_THREADS` count: the watchdog's heartbeats
+    and a store hosted in this process move bytes too, and must not read as a collective's
+    progress. Costs a few small reads per thread of the process; never blocks.
+
+    Args:
+        task_dir: The process's thread directory (a test passes a fake one).
+
+    Returns:
+        The count, or None when the process has no such thread (no gloo group: NCCL moves
+        its data on the GPU, where ``/proc`` cannot see it) or ``/proc`` cannot tell.
+    """
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    total = 0
+    seen = False
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/comm", "rb") as f:
+                name = f.read().decode(errors="replace").strip()
+        except OSError:
+            continue  # the thread ended
+        if not name.startswith(DATA_PLANE_THREADS):
+            continue
+        io = read_io(0, f"{task_dir}/{tid}/io")
+        _, cpu = read_stat(0, f"{task_dir}/{tid}/stat")
+        if io < 0 or cpu < 0:
+            continue
+        seen = True
+        total += io + round(cpu * _ticks_per_s)
+    return total if seen else None
 
 
 def fingerprint(frame: FrameType | None, depth: int = STACK_DEPTH) -> int:

@@ -181,6 +181,13 @@ def stuck_recheck_delay(cfg: ResilienceConfig, window_s: float, idle_s: float) -
     return max(interval, window_s - idle_s + interval)
 
 
+def data_plane_recheck(cfg: ResilienceConfig) -> float:
+    """How often a collective that every rank has arrived at, but that has not completed,
+    looks again at whether its data plane moves (seconds): ``heartbeat_interval``. A data
+    plane that moved nothing for the op's stuck window is stalled."""
+    return _interval(cfg)
+
+
 # -- elastic recovery (on_failure="shrink") ---------------------------------------------------
 def shrink_recovery_budget(cfg: ResilienceConfig) -> float:
     """How long one recovery (a shrink) may take before the survivors give up (seconds):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import _control as ctl
 from . import _events, _progress, _store_diagnosis, _timings
-from ._backend import comm_device
+from ._backend import comm_device, uses_nccl
 from ._diagnosis import majority as majority  # noqa: PLC0414 - gather imports it from here
 from ._events import rank_log
 from ._runtime import PendingOp, ensure_runtime
@@ -234,6 +234,11 @@ class Op:
         self.bounds_call = bounds_call
         self._lead = 0.0  # bounds_call: how long before the deadline the last diagnosis starts
         self._final: list[CulpritRecord] | None = None  # bounds_call: raise these at the end
+        # This wait: when it began (monotonic), whether every rank was seen to have arrived,
+        # and the data plane's last reading and when (monotonic) it last moved.
+        self._wait_start = 0.0
+        self._arrived = False
+        self._plane: tuple[int, float] | None = None
         if bounds_call:
             if timeout is None or budget is not None:
                 raise ConfigError("bounds_call takes a timeout and no budget")
@@ -572,7 +577,10 @@ class Op:
         attempt's timeout later; with ``bounds_call``, no later than ``_lead`` before the
         deadline, so that the diagnosis ends by it."""
         self._final = None
+        self._arrived = False
+        self._plane = None
         now = time.monotonic()
+        self._wait_start = now
         # Half a window: a rank that was already stuck when this one arrived is named then;
         # one that is working is looked at again when it could first be stuck (_next_check).
         first = min(self.attempt_s, self.window_s / 2)
@@ -608,12 +616,14 @@ class Op:
         """One attempt's timeout passed: diagnose the late ranks.
 
         Returns:
-            The end of the next attempt, when every late rank is alive and budget is left:
-            the caller keeps waiting on the same handle.
+            When to look again (monotonic time), when every late rank is alive and budget
+            is left, or every rank arrived and the data plane still moves: the caller keeps
+            waiting on the same handle.
 
         Raises:
             RankFailureError: The watchdog recorded a failure meanwhile.
-            CollectiveTimeoutError: The budget ran out, or a late rank is not alive.
+            CollectiveTimeoutError: The budget ran out, a late rank is not alive, or every
+                rank arrived and the data plane stalled (see :meth:`_all_arrived`).
             _TransientError: Every rank arrived, yet the op does not complete.
         """
         rt = self.rt
@@ -623,12 +633,16 @@ class Op:
             if rt.failed_for(self.seq):
                 raise rt.build_error(self.name, self.seq)
             self.raise_timeout(culprits)
-        if not rt.store_answering() and time.monotonic() < self.deadline:
+        if not self._arrived and not rt.store_answering() and time.monotonic() < self.deadline:
             # The watchdog's store calls are not returning: a diagnosis from this thread
             # could block for good. Wait on: failed_for decides whether the control plane
             # is lost (or the store only fell behind) within heartbeat_timeout.
             return time.monotonic() + rt.config.heartbeat_interval.total_seconds()
-        culprits = _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
+        # Once every rank had arrived, none can be late any more (one that dies, the
+        # watchdog names): only the data plane is left to judge (_all_arrived).
+        culprits = (
+            [] if self._arrived else _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
+        )
         if rt.failed_for(self.seq):
             raise rt.build_error(self.name, self.seq)
         stuck = self._stuck(culprits)
@@ -636,14 +650,58 @@ class Op:
             return self.raise_timeout(stuck)
         if self._keep_waiting(culprits):
             return self._next_check(culprits)
-        if not culprits and self.may_retry:
-            raise _TransientError(f"{self.name}#{self.seq}: every rank arrived, no progress")
+        if not culprits:
+            self._arrived = True
+            return self._all_arrived()
         if self.bounds_call and time.monotonic() < self.deadline:
             # The caller's timeout is not over (this diagnosis ran ahead of it): the op may
             # still complete; if not, it raises these culprits at the deadline.
             self._final = culprits
             return self.deadline
         return self.raise_timeout([self._busy_to_the_end(c) for c in culprits])
+
+    def _all_arrived(self) -> float:
+        """Every rank arrived, yet the op has not completed: judge its data plane.
+
+        The last rank may have arrived a moment ago, or the data may be large: a plane
+        that moves is waited for as a busy rank is (up to ``busy_timeout``, unless a limit
+        was set: then to the end of the attempt). One that moved nothing (no byte, no CPU
+        tick in this process's gloo threads) for the stuck window is stalled. A data plane
+        this process cannot see (NCCL's, on the GPU) is waited for to the end of the
+        attempt, as torch's own timeout would.
+
+        Returns:
+            When to look again (monotonic time).
+
+        Raises:
+            _TransientError: The plane stalled or the attempt ran out, and retries are
+                allowed.
+            CollectiveTimeoutError: The same, without retries; names no rank.
+        """
+        now = time.monotonic()
+        end = min(self._wait_start + self.attempt_s, self.deadline)
+        reading = None if uses_nccl(self.group) else _progress.data_plane()
+        detail = ""
+        if reading is not None:
+            if self._plane is None or reading != self._plane[0]:
+                if self._plane is not None and not self.limit_set:
+                    # It moves: busy, not stuck (the first reading is only a baseline).
+                    self.deadline = max(self.deadline, self.start + self.busy_s)
+                self._plane = (reading, now)
+            moved_at = self._plane[1]
+            stall_at = moved_at + self.window_s
+            if not self.limit_set:
+                end = self.deadline
+            if now + _MIN_SLICE_S >= stall_at:
+                detail = f", its data plane idle for {now - moved_at:.1f} s"
+            end = min(end, stall_at)
+        if not detail and now + _MIN_SLICE_S < end:
+            if reading is None:
+                return end
+            return min(end, now + _timings.data_plane_recheck(self.rt.config))
+        if self.may_retry:
+            raise _TransientError(f"{self.name}#{self.seq}: every rank arrived, no progress")
+        return self.raise_timeout([], detail=detail)
 
     def _busy_to_the_end(self, c: CulpritRecord) -> CulpritRecord:
         """Culprit ``c`` as the op gives up, its ``what`` saying what it was busy with if
@@ -826,9 +884,9 @@ class Op:
             cls_name="failure",
         )
 
-    def raise_timeout(self, culprits: list[CulpritRecord]) -> NoReturn:
+    def raise_timeout(self, culprits: list[CulpritRecord], *, detail: str = "") -> NoReturn:
         """Raise this op's timeout, naming ``culprits`` (late ranks, from a diagnosis), after
-        posting it for the other ranks.
+        posting it for the other ranks; ``detail`` follows the time waited in the message.
 
         Raises:
             RankFailureError: A peer's verdict, when nothing was found here and the
@@ -844,7 +902,10 @@ class Op:
         waited = time.monotonic() - self.start
         bound = f" (timeout={self.budget_s:g} s)" if self.bounds_call else ""
         self._post_and_raise(
-            CollectiveTimeoutError, culprits, f"timed out after {waited:.1f} s{bound}", cause=None
+            CollectiveTimeoutError,
+            culprits,
+            f"timed out after {waited:.1f} s{bound}{detail}",
+            cause=None,
         )
 
     def _post_and_raise(
