@@ -181,6 +181,26 @@ def parity(rank: int, mode: str, tmp: str) -> Any:
     return {"same": same, "moved": moved, **extra}
 
 
+def subgroup_parity(rank: int) -> Any:
+    """DDP over a group of ranks 1 and 2 of 3 (rank 0 outside it, as an evaluation or a
+    pipeline rank is): ResilientDDP matches DDP, BatchNorm's buffers included, which DDP
+    broadcasts at each forward from the group's first rank (global rank 1)."""
+    _init()
+    sub = torch.distributed.new_group([1, 2])
+    out: dict[str, Any] = {"outside": True}
+    if rank != 0:
+        data = batches(rank, 4)
+        a = _train(rd.ResilientDDP(make_model(), process_group=sub), data)
+        b = _train(DistributedDataParallel(make_model(), process_group=sub), data)
+        out = {
+            "same": all(torch.equal(x, y) for x, y in zip(a, b, strict=True)),
+            "running_mean": a[4].tolist(),  # 1.running_mean: the buffer broadcast
+        }
+    rd.barrier()
+    rd.destroy_process_group()
+    return out
+
+
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 

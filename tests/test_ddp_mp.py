@@ -36,6 +36,19 @@ def test_bitwise_parity_with_ddp(mode: str, tmp_path: Path) -> None:
             assert v["module"] == "Sequential"
 
 
+def test_parity_with_ddp_over_a_group_of_some_ranks() -> None:
+    """ResilientDDP(process_group=a group of ranks 1 and 2): DDP passes the buffer
+    broadcast's sender as a rank of that group (0), which the library once took for global
+    rank 0, not in the group: the first forward raised ConfigError."""
+    values = _values(d.subgroup_parity, 3, ranks=[0, 1, 2])
+    assert values[0] == {"outside": True}, values
+    for r in (1, 2):
+        assert values[r]["same"], values
+    # The buffers broadcast at the last forward came from rank 1, then each rank's own
+    # batch moved them: they differ, as under DDP (same above).
+    assert values[1]["running_mean"] != values[2]["running_mean"], values
+
+
 # Every kind of fault at one point of the step; the other point of each is marked slow
 # (skipped with --skip-slow; CI runs them all).
 _SLOW = pytest.mark.slow

@@ -259,8 +259,6 @@ class ResilientDDP(DistributedDataParallel):
         )
         if buffers or sync_buffers:
             states += [b.detach() for n, b in self.module.named_buffers() if n not in ignore]
-        group = self._rd_group
-        src = 0 if group is None else dist.get_global_rank(group, 0)
         # In buckets of DDP's broadcast_bucket_size, as DDP does: a flat copy of a whole
         # large model would double its memory for a moment.
         limit = max(1, int(self.broadcast_bucket_size))
@@ -268,12 +266,12 @@ class ResilientDDP(DistributedDataParallel):
         size = 0
         for t in states:
             if bucket and size + t.numel() * t.element_size() > limit:
-                self._default_broadcast_coalesced(bucket, authoritative_rank=src)
+                self._default_broadcast_coalesced(bucket, authoritative_rank=0)
                 bucket, size = [], 0
             bucket.append(t)
             size += t.numel() * t.element_size()
         if bucket:
-            self._default_broadcast_coalesced(bucket, authoritative_rank=src)
+            self._default_broadcast_coalesced(bucket, authoritative_rank=0)
 
     def _rd_init_local_state(self) -> None:
         """Set up what belongs to this process and to the reducer rather than to the model
@@ -508,18 +506,25 @@ class ResilientDDP(DistributedDataParallel):
         bucket_size: int | None = None,
         authoritative_rank: int = 0,
     ) -> None:
-        """DDP's buffer broadcast, through the bounded :func:`broadcast` (one op per dtype)."""
+        """DDP's buffer broadcast, through the bounded :func:`broadcast` (one op per dtype).
+
+        ``authoritative_rank`` is the sender's rank in DDP's process group, as DDP passes
+        it (``process_group.rank()`` terms), not its global rank.
+        """
         tensors = list(self.modules_buffers) if bufs is None else list(bufs)
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
         group = self._rd_group
+        src = authoritative_rank
+        if group is not None:
+            src = dist.get_global_rank(group, authoritative_rank)
         timeout, budget = self._rd_config.op_bounds()
         for same in by_dtype.values():
             flat = _flatten(same)
             broadcast(
                 flat,
-                src=authoritative_rank,
+                src=src,
                 group=group,
                 timeout=timeout,
                 budget=budget,
