@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -57,6 +59,32 @@ def _deadlock() -> None:
     lock.acquire()  # never returns
 
 
+#: Busy loops sharing the starved rank's CPU: it gets 1/(HOGS + 1) of it, below the CPU
+#: share (20%) that counts CPU time alone as work.
+HOGS = 6
+
+
+def _starved(seconds: float) -> None:
+    """Computes (one-threaded matmuls, its stack cycling on two lines) on a CPU it shares
+    with :data:`HOGS` busy loops: an overloaded host, where it gets about 14% of a core.
+    Only its main thread is pinned there: its watchdog still beats."""
+    cpu = min(os.sched_getaffinity(0))
+    spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(HOGS)]
+    try:
+        os.sched_setaffinity(0, {cpu})  # 0: this thread (the main one) only
+        torch.set_num_threads(1)
+        a = torch.randn(256, 256)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            a = torch.tanh(a @ a)
+    finally:
+        for h in hogs:
+            h.kill()
+        for h in hogs:
+            h.wait()
+
+
 def _dead_loader() -> None:
     q: queue.Queue[int] = queue.Queue()
     while True:
@@ -96,6 +124,8 @@ def late(rank: int, culprit: int, kind: str, arg: float, tmp: str, cfg: dict[str
                 _busy_io(arg, os.path.join(tmp, f"ckpt{rank}"))
             elif kind == "marks":
                 _marked(arg)
+            elif kind == "starved":
+                _starved(arg)
             elif kind == "deadlock":
                 _deadlock()
             elif kind == "loader":

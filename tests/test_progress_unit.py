@@ -76,6 +76,45 @@ def _seq(*changes: dict[str, object]) -> list[pg.Sample]:
         ("gpu", _seq({}, {"gpu": 1}, {"gpu": 2}), 0.0, ("gpu",)),
         # Unreadable /proc: CPU and I/O never count.
         ("unreadable", _seq({"cpu_s": -1.0, "io": -1}, {}, {}), 2.0, ()),
+        # An overloaded host: a working thread gets 10% of a core and waits for one the
+        # rest of the time (running at each sample). Seen in CI: a rank computing in
+        # F.linear named stuck because its CPU time rose too slowly.
+        (
+            "starved",
+            _seq(
+                {"state": "R", "waited_s": 0.0},
+                {"state": "R", "cpu_s": 1.1, "waited_s": 0.9},
+                {"state": "R", "cpu_s": 1.2, "waited_s": 1.8},
+            ),
+            0.0,
+            ("runnable",),
+        ),
+        # A poll loop on that host: caught running at a sample, but it sleeps most of
+        # the time (little CPU, little run-queue wait): not work.
+        (
+            "starved_poll",
+            _seq(
+                {"waited_s": 0.0},
+                {"state": "R", "cpu_s": 1.01, "waited_s": 0.2},
+                {"state": "R", "cpu_s": 1.02, "waited_s": 0.4},
+            ),
+            2.0,
+            (),
+        ),
+        # Waiting for a CPU, but asleep at the sample (it woke and slept in between).
+        (
+            "starved_asleep",
+            _seq({"waited_s": 0.0}, {"cpu_s": 1.1, "waited_s": 0.9}),
+            1.0,
+            (),
+        ),
+        # No scheduler statistics: the run-queue wait never counts.
+        (
+            "no_schedstat",
+            _seq({"state": "R"}, {"state": "R", "cpu_s": 1.1}, {"state": "R", "cpu_s": 1.2}),
+            2.0,
+            (),
+        ),
     ],
 )
 def test_what_counts_as_moving(
@@ -271,3 +310,16 @@ def test_the_data_plane_of_this_process_moves_with_a_gloo_collective() -> None:
     groups.clear()  # their threads end with them
     assert after is not None
     assert after - before >= 4_000_000, (before, after)
+
+
+def test_the_run_queue_wait_of_a_spinning_thread_is_read() -> None:
+    """The real reader of schedstat, on this process: a thread's wait for a CPU is a
+    count of seconds that never goes back (the starved-but-running signal reads it)."""
+    tid = threading.get_native_id()
+    first = pg.read_waited(tid)
+    assert first >= 0.0
+    x = 0
+    for i in range(200_000):
+        x += i
+    assert pg.read_waited(tid) >= first
+    assert pg.read_waited(tid, "/nonexistent/schedstat") == -1.0

@@ -9,6 +9,12 @@ its heartbeat. A peer waiting for this rank judges from that:
   Python loop, a long C call (a matmul, a compile), garbage collection. It counts only
   when it rose by at least :data:`CPU_SHARE` of the time since the last sample, so that a
   thread that polls (``queue.get`` with a timeout, a sleep loop) is not read as working.
+* **Runnable** but short of CPU: on an overloaded host a working thread gets a small share
+  of a core and spends the rest waiting for one (its run-queue wait,
+  ``/proc/self/task/<tid>/schedstat``). It counts when the thread is running at the
+  sample and its CPU time and run-queue wait together rose by at least
+  :data:`RUNNABLE_SHARE` of the time since the last sample: a thread that polls sleeps
+  most of the time, however loaded the host.
 * **Python stack** of the main thread: a fingerprint of its frames (file, function,
   line). It counts only when it is one not seen among the last :data:`STACK_MEMORY`
   distinct ones: a loop that sleeps and polls cycles through a few fingerprints, and is
@@ -44,6 +50,9 @@ __all__ = ["progress"]
 #: Share of one core that the main thread's CPU time must have used since the last sample
 #: for the rise to count as progress (a poll loop uses far less; work uses far more).
 CPU_SHARE = 0.2
+#: Share of the time since the last sample that the main thread must have spent running or
+#: waiting for a CPU (and be running at the sample) to count as working though starved.
+RUNNABLE_SHARE = 0.5
 #: Distinct stack fingerprints remembered: a new one that is among them is a cycle.
 STACK_MEMORY = 16
 #: Frames of the main thread that make a fingerprint (innermost first).
@@ -78,6 +87,8 @@ class Sample:
         where: Its innermost frame outside the library, ``"fn() at file.py:41"``.
         inside: Whether its innermost frame is the library's own (it waits in one of the
             library's bounded waits: elastic recovery, an admission, a state transfer).
+        waited_s: How long it waited for a CPU while runnable (run-queue wait, seconds),
+            or -1.0 where unreadable.
     """
 
     cpu_s: float
@@ -88,6 +99,7 @@ class Sample:
     gpu: int
     where: str
     inside: bool = False
+    waited_s: float = -1.0
 
 
 def _task_path(tid: int, name: str) -> str:
@@ -106,6 +118,17 @@ def read_stat(tid: int, path: str | None = None) -> tuple[str, float]:
         return fields[0], (int(fields[11]) + int(fields[12])) / _ticks_per_s
     except (ValueError, IndexError):
         return "?", -1.0
+
+
+def read_waited(tid: int, path: str | None = None) -> float:
+    """How long thread ``tid`` of this process (or the task whose ``schedstat`` file is
+    ``path``) waited for a CPU while runnable (seconds); -1.0 where ``/proc`` cannot tell
+    (a kernel without scheduler statistics)."""
+    try:
+        with open(path or _task_path(tid, "schedstat"), "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return -1.0
 
 
 def read_io(tid: int, path: str | None = None) -> int:
@@ -259,15 +282,14 @@ class Tracker:
                 self._stacks.append(s.stack)
             if prev is None:
                 self.moved_t = now
-            elif s.cpu_s >= 0 and prev.cpu_s >= 0 and s.cpu_s - prev.cpu_s >= CPU_SHARE * elapsed:
+            elif cpu := _cpu_signal(prev, s, elapsed):
                 # CPU time used since is work all the same (a C call that held the GIL
                 # from the op's end until now: no sample could be taken in between).
                 self.moved_t = now
-                self.moving = ("cpu",)
+                self.moving = (cpu,)
             return s
-        moved = []
-        if s.cpu_s >= 0 and prev.cpu_s >= 0 and s.cpu_s - prev.cpu_s >= CPU_SHARE * elapsed:
-            moved.append("cpu")
+        cpu = _cpu_signal(prev, s, elapsed)
+        moved = [cpu] if cpu else []
         if s.stack != prev.stack and s.stack not in self._stacks:
             moved.append("stack")
         if s.io >= 0 and prev.io >= 0 and s.io != prev.io:
@@ -293,6 +315,23 @@ class Tracker:
         """Count idleness from now (the rank just left a collective: waiting in one is not
         idleness)."""
         self.moved_t = self._last_t = self._clock()
+
+
+def _cpu_signal(prev: Sample, s: Sample, elapsed: float) -> str | None:
+    """``"cpu"`` when the main thread's CPU time rose by :data:`CPU_SHARE` of the
+    ``elapsed`` seconds from ``prev`` to ``s``; else ``"runnable"`` when it works on a host
+    that gives it little CPU (running at ``s``, it spent :data:`RUNNABLE_SHARE` of them on
+    a CPU or waiting for one); else None."""
+    if s.cpu_s < 0 or prev.cpu_s < 0:
+        return None
+    used = s.cpu_s - prev.cpu_s
+    if used >= CPU_SHARE * elapsed:
+        return "cpu"
+    if s.state != "R" or s.waited_s < 0 or prev.waited_s < 0:
+        return None
+    if used + (s.waited_s - prev.waited_s) >= RUNNABLE_SHARE * elapsed:
+        return "runnable"
+    return None
 
 
 class WaitHistory:
@@ -385,6 +424,7 @@ def sampler(
         state, cpu = read_stat(main_tid)
         return Sample(
             cpu_s=cpu,
+            waited_s=read_waited(main_tid),
             state=state,
             stack=fingerprint(frame),
             io=read_io(main_tid),
@@ -400,6 +440,7 @@ def sampler(
 #: How a peer's message says what moved (``busy`` reports).
 SIGNAL_TEXT = {
     "cpu": "its CPU time still rising",
+    "runnable": "running, though short of CPU (an overloaded host)",
     "stack": "its Python stack moving",
     "io": "its I/O moving",
     "disk": "waiting on the disk",
