@@ -292,6 +292,40 @@ def behind_queued_transfers(rank: int, queued: int, floats: int, cfg_kwargs: dic
         rd.destroy_process_group()
 
 
+class _FreezesWhileWaited(_NeverCompletes):
+    """A backend work handle whose process freezes (SIGSTOP, every thread) once it has been
+    waited on for ``after`` seconds: a rank that froze inside an op every rank arrived at
+    (its peers had diagnosed it there, alive)."""
+
+    def __init__(self, after: float) -> None:
+        super().__init__()
+        self._left = after
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        step = timeout.total_seconds() if timeout else 3600
+        self._left -= step
+        if self._left <= 0:
+            stop_self()
+        return super().wait(timeout)
+
+
+def frozen_in_op(rank: int, after: float, cfg_kwargs: dict[str, Any]) -> Any:
+    """Every rank arrives at an all_reduce; rank 1 freezes in it ``after`` seconds later."""
+    _init(cfg_kwargs)
+    real = dist.all_reduce
+    if rank == 1:
+        dist.all_reduce = lambda *a, **k: _FreezesWhileWaited(after)  # type: ignore[assignment]
+    t0 = time.monotonic()
+    try:
+        rd.all_reduce(torch.ones(3))
+        return {"value": "completed"}
+    except rd.ResilientDDPError as e:
+        return error_summary(e, t0)
+    finally:
+        dist.all_reduce = real
+        rd.destroy_process_group()
+
+
 def rebuild_after_a_failed_attempt(rank: int, cfg_kwargs: dict[str, Any]) -> Any:
     """Rank 0 tries to form generation 5 alone and times out; then both ranks form
     generation 6, which must not fail because of what rank 0's failed attempt left."""

@@ -260,6 +260,21 @@ def test_a_stalled_data_plane_is_named_in_a_stuck_window_without_a_limit(attempt
         assert v["elapsed"] < 10.0, v
 
 
+def test_a_rank_frozen_inside_an_op_every_rank_arrived_at_is_named() -> None:
+    """Rank 1 arrives, is diagnosed alive in the op, then freezes (SIGSTOP) inside it: the
+    stalled data plane is not blamed on the network; the diagnosis that follows the stall
+    names rank 1 as stopped, long before heartbeat_timeout (4 s) would."""
+    cfg = {**DATA_PLANE, "stuck_window": 1.0}
+    outcomes = _run(w.frozen_in_op, 3, 1.0, cfg, grace=2)
+    values = _values(outcomes, [0, 2])
+    for v in values.values():
+        assert v["type"] == "CollectiveTimeoutError", v
+        assert v["ranks"] == [1], v
+        assert "stopped" in v["message"], v["message"]
+        assert v["elapsed"] < cfg["heartbeat_timeout"], v
+    assert outcomes[1].exitcode is None  # frozen until the launcher killed it
+
+
 def test_a_group_forms_after_a_failed_attempt_in_one_of_its_processes() -> None:
     """torch counts a failed ``init_process_group``'s group: without undoing that, the
     next attempt of that process rendezvouses under another name than its peers'."""

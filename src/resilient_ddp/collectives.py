@@ -699,9 +699,29 @@ class Op:
             if reading is None:
                 return end
             return min(end, now + _timings.data_plane_recheck(self.rt.config))
+        if detail and not self.bounds_call:
+            self._name_who_froze()
         if self.may_retry:
             raise _TransientError(f"{self.name}#{self.seq}: every rank arrived, no progress")
         return self.raise_timeout([], detail=detail)
+
+    def _name_who_froze(self) -> None:
+        """The data plane stalled with every rank in the op: diagnose once more, as a rank
+        that froze inside it (stopped, its host frozen) stalls it so and answers nothing;
+        raise naming the ranks found. Returns when none is found (the network is left).
+
+        Raises:
+            RankFailureError: The watchdog recorded a failure meanwhile.
+            CollectiveTimeoutError: Naming the ranks that did not answer.
+        """
+        rt = self.rt
+        if not rt.store_answering():
+            return
+        culprits = _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
+        if rt.failed_for(self.seq):
+            raise rt.build_error(self.name, self.seq)
+        if culprits:
+            self.raise_timeout(culprits)
 
     def _busy_to_the_end(self, c: CulpritRecord) -> CulpritRecord:
         """Culprit ``c`` as the op gives up, its ``what`` saying what it was busy with if
