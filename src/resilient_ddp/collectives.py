@@ -676,7 +676,10 @@ class Op:
         Raises:
             _TransientError: The plane stalled or the attempt ran out, and retries are
                 allowed.
-            CollectiveTimeoutError: The same, without retries; names no rank.
+            CollectiveTimeoutError: The same, without retries; names no rank. Or the
+                plane stalled because a rank froze inside the op: names it
+                (:meth:`_name_who_froze`).
+            RankFailureError: The watchdog recorded a failure meanwhile.
         """
         now = time.monotonic()
         end = min(self._wait_start + self.attempt_s, self.deadline)
