@@ -254,10 +254,15 @@ def test_a_stalled_data_plane_is_named_in_a_stuck_window_without_a_limit(attempt
             continue
         assert v["type"] == "CollectiveTimeoutError", v
         assert v["ranks"] == [], v
-        assert "data plane idle for" in v["message"], v["message"]
+        assert "every rank arrived" in v["message"], v["message"]
         # The first look at half a window, one window idle, the diagnosis and the grace for
         # a peer's verdict, with room for a busy machine; far less than op_timeout (60 s).
         assert v["elapsed"] < 10.0, v
+    if attempts == 1:
+        # The rank that gave up first says why; a rank that took its verdict meanwhile
+        # says "rank R timed out in all_reduce#1 after N s" instead.
+        messages = [v["message"] for v in values.values()]
+        assert any("data plane idle for" in m for m in messages), messages
 
 
 def test_a_rank_frozen_inside_an_op_every_rank_arrived_at_is_named() -> None:
