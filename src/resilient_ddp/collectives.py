@@ -640,11 +640,12 @@ class Op:
             return time.monotonic() + rt.config.heartbeat_interval.total_seconds()
         # Once every rank had arrived, none can be late any more (one that dies, the
         # watchdog names): only the data plane is left to judge (_all_arrived).
-        culprits = (
-            [] if self._arrived else _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
-        )
-        if rt.failed_for(self.seq):
-            raise rt.build_error(self.name, self.seq)
+        if self._arrived:
+            if rt.failed_for(self.seq):
+                raise rt.build_error(self.name, self.seq)
+            culprits = []
+        else:
+            culprits = self._diagnose()
         stuck = self._stuck(culprits)
         if stuck:
             return self.raise_timeout(stuck)
@@ -717,14 +718,23 @@ class Op:
             RankFailureError: The watchdog recorded a failure meanwhile.
             CollectiveTimeoutError: Naming the ranks that did not answer.
         """
-        rt = self.rt
-        if not rt.store_answering():
+        if not self.rt.store_answering():
             return
-        culprits = _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
-        if rt.failed_for(self.seq):
-            raise rt.build_error(self.name, self.seq)
+        culprits = self._diagnose()
         if culprits:
             self.raise_timeout(culprits)
+
+    def _diagnose(self, cause: BaseException | None = None) -> list[CulpritRecord]:
+        """The ranks that keep this op from completing (:func:`_store_diagnosis.diagnose`).
+
+        Raises:
+            RankFailureError: The watchdog recorded a failure meanwhile (from ``cause``).
+        """
+        rt = self.rt
+        culprits = _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
+        if rt.failed_for(self.seq):
+            raise rt.build_error(self.name, self.seq) from cause
+        return culprits
 
     def _busy_to_the_end(self, c: CulpritRecord) -> CulpritRecord:
         """Culprit ``c`` as the op gives up, its ``what`` saying what it was busy with if
@@ -892,11 +902,8 @@ class Op:
             raise rt.build_error(self.name, self.seq) from error
 
     def _explain_backend_error(self, error: BaseException) -> None:
-        rt = self.rt
         self._raise_watchdog_verdict(error)
-        culprits = _store_diagnosis.diagnose(rt, rt.control, self.name, self.seq)
-        if rt.failed_for(self.seq):
-            raise rt.build_error(self.name, self.seq) from error
+        culprits = self._diagnose(error)
         if not culprits and self.may_retry:
             raise _TransientError(str(error)) from error
         self._post_and_raise(
