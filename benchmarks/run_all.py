@@ -467,6 +467,43 @@ def render_collectives(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+@renderer("data_plane")
+def render_data_plane(data: dict[str, Any]) -> list[str]:
+    setup = data.get("setup", {})
+    lines = [
+        "3 gloo ranks under `torchrun` (its agent hosts the store), default settings (stuck "
+        "window 3 s, `op_timeout` 60 s), `RESILIENT_DDP_HEARTBEAT_INTERVAL=0.5`. **moving**: "
+        f"`rd.all_reduce` behind {setup.get('queued', '?')} queued "
+        f"{setup.get('megabytes_each', '?')} MB gloo all_reduces, every rank arrived at it. "
+        "**lost**: rank 1's op lost in its data plane, every rank alive. Each row: one "
+        "rank's outcome and seconds from the call to it.",
+        "",
+    ]
+
+    def outcome(r: dict[str, Any]) -> str:
+        if "error" not in r:
+            return f"completed ({r.get('value')})"
+        return f"{r['error']}, ranks {r.get('ranks')}: {r.get('message', '')}"
+
+    rows = [
+        [code, str(r.get("mode")), str(r.get("rank")), outcome(r), f"{r.get('waited_s', 0):.2f}"]
+        for code in ("now", "before")
+        for r in data.get(code, [])
+    ]
+    lines += md_table(["code", "case", "rank", "outcome", "s"], rows, align="lllll")
+    lines += [
+        "",
+        "Reading these figures: before, an op every rank had arrived at was given up at the "
+        "first look (half a stuck window after it began), however much data still moved. "
+        "Now it is given up only after its gloo threads moved nothing for a whole stuck "
+        "window, and one more diagnosis that names a rank frozen inside the op: a lost op "
+        "is named a few seconds later than before, and a healthy long transfer is never "
+        "killed.",
+        "",
+    ]
+    return lines
+
+
 @renderer("ddp_step")
 def render_ddp_step(data: dict[str, Any]) -> list[str]:
     setup = data.get("setup", {})
