@@ -102,7 +102,7 @@ def _config() -> Any:
 # -- the store process --------------------------------------------------------------------------
 def serve(port_q: Any, stop: Any) -> None:
     """Host the store (loopback) until ``stop`` is set; do nothing else."""
-    from resilient_ddp import _control as ctl
+    from resilient_ddp.control import _control as ctl
 
     store = ctl.serve_store("127.0.0.1")
     port_q.put((os.getpid(), store.port))
@@ -140,7 +140,7 @@ def _is_decision(key: str) -> bool:
 
 
 def _count_calls(counts: _Counts) -> None:
-    from resilient_ddp import _control as ctl
+    from resilient_ddp.control import _control as ctl
 
     original = ctl.ControlPlane._call
 
@@ -179,10 +179,10 @@ def worker(port: int, ranks: list[int], world: int, cmd_q: Any, out_q: Any) -> N
     """Start virtual ranks ``ranks`` of ``world``, then answer the parent's commands."""
     import torch.distributed as dist
 
-    from resilient_ddp import _control as ctl
-    from resilient_ddp import _runtime
-    from resilient_ddp._runtime import Runtime
-    from resilient_ddp.watchdog import Watchdog
+    from resilient_ddp.control import _control as ctl
+    from resilient_ddp.detection.watchdog import Watchdog
+    from resilient_ddp.runtime import _runtime
+    from resilient_ddp.runtime._runtime import Runtime
 
     _runtime.arm_exit_guard = lambda: None  # a recorded failure must not end this process
     ctl.serves_port = lambda port: False  # type: ignore[assignment] - no rank hosts it
@@ -289,7 +289,7 @@ def _report(rts: dict[int, Any], counts: _Counts, detected: dict[int, float]) ->
 
 
 def _first_reports(rts: dict[int, Any]) -> dict[int, float]:
-    from resilient_ddp import _control as ctl
+    from resilient_ddp.control import _control as ctl
 
     first: dict[int, float] = {}
     for rt in rts.values():
@@ -306,7 +306,7 @@ def _stuck(base: Any, rts: dict[int, Any], world: int, victim: int, counts: _Cou
     run ``_store_diagnosis.diagnose``, each in a thread of its own over its own connection,
     as the real op path does. Returns each one's seconds to its verdict and the ranks it
     names."""
-    from resilient_ddp import _store_diagnosis
+    from resilient_ddp.detection import _store_diagnosis
 
     for rt in rts.values():
         if rt.rank != victim:
@@ -371,9 +371,9 @@ def _shrink(  # noqa: PLR0915 - one simulated shrink, step by step
     decision, and each agreeing thread's store counts."""
     from types import SimpleNamespace
 
-    from resilient_ddp import _control as ctl
-    from resilient_ddp import elastic
+    from resilient_ddp.control import _control as ctl
     from resilient_ddp.errors import Culprit
+    from resilient_ddp.training import elastic
 
     victim, excluded = int(arg["victim"]), set(arg["excluded"])
     candidates = [r for r in range(world) if r not in excluded]

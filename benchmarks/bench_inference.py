@@ -156,7 +156,7 @@ def sim_pulled(chunk_costs: Sequence[float], world: int) -> float:
 
 
 def simulate(costs: list[float], world: int, batch: int) -> dict[str, float]:
-    from resilient_ddp import _work_pool as wp
+    from resilient_ddp.inference import _work_pool as wp
 
     n = len(costs)
     shares_nc = [
@@ -314,7 +314,7 @@ def _spawn_outcomes(fn: Any, world: int, args: tuple[Any, ...]) -> list[Any]:
 
 
 def run_kill(n: int, ideal_s: float) -> dict[str, Any]:
-    from resilient_ddp import _work_pool as wp
+    from resilient_ddp.inference import _work_pool as wp
 
     costs = make_costs("lognormal", n, ideal_s * WORLD, seed=SEED + 1)
     victim = WORLD - 1

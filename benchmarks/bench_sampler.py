@@ -47,7 +47,7 @@ from bench_collectives import _display, _loadavg, machine_info, result_header
 from plots import BALANCE_PNG, plot_balance
 from torch.utils.data import DistributedSampler
 
-from resilient_ddp.sampler import BalancedDistributedSampler, LockstepBatchSampler
+from resilient_ddp.inference.sampler import BalancedDistributedSampler, LockstepBatchSampler
 
 NAME = "sampler"
 TITLE = "Cost-balanced samplers vs torch's DistributedSampler"

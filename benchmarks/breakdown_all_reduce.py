@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 import resilient_ddp as rd
-from resilient_ddp._runtime import PendingOp
-from resilient_ddp.collectives import _Op, _sig
+from resilient_ddp.ops.collectives import _Op, _sig
+from resilient_ddp.runtime._runtime import PendingOp
 
 BLOCK = 10
 WAIT = timedelta(seconds=60)

@@ -78,7 +78,7 @@ def _train_adopting(
         loss = ((model(x) - y) ** 2).mean()
         if mode == "mid_step" and i == at:
             rd.make_resilient(model)
-            rt = rd._runtime.current()
+            rt = rd.runtime._runtime.current()
             assert rt is not None
             seq = rt.seq
             loss.backward()
@@ -140,7 +140,7 @@ def _adopt_then_kill(model: Any, rank: int, where: str, culprit: int) -> None:
     """Make ``model`` resilient (every rank), then kill the culprit: after the survivors'
     backward issued its first reduction (``mid_step``: their comm hook says so), or before
     their backward (``mid_step_known``: they wait until their runtime knows)."""
-    rt = rd._runtime.current()
+    rt = rd.runtime._runtime.current()
     assert rt is not None
     store = rt.control_root
     survivors = [r for r in range(dist.get_world_size()) if r != culprit]
@@ -274,7 +274,7 @@ def torch_ops_healthy(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     _init(cfg)
     c10d = dist.distributed_c10d
     world = dist.get_world_size()
-    rt = rd._runtime.current()
+    rt = rd.runtime._runtime.current()
     assert rt is not None
     out: dict[str, Any] = {}
     try:

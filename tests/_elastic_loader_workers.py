@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import Dataset
 
 import resilient_ddp as rd
-from resilient_ddp.elastic_sampler import ElasticBatchSampler, ElasticDataLoader
 from resilient_ddp.testing import kill_self
+from resilient_ddp.training.elastic_sampler import ElasticBatchSampler, ElasticDataLoader
 
 from . import _elastic_workers as w
 

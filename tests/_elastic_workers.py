@@ -203,7 +203,7 @@ _IN_RECOVERY = {"die_in_form": "_form", "die_sending": "_send_state"}
 
 
 def _arm(kind: str) -> None:
-    from resilient_ddp import elastic
+    from resilient_ddp.training import elastic
 
     name = _IN_RECOVERY[kind]
     original = getattr(elastic, name)
@@ -220,7 +220,7 @@ def _slow_sends(seconds: float) -> None:
     """The state source of an admission takes ``seconds`` longer to send the state to the
     joiners (as a large state or a slow link would): it waits after the op's validation,
     where the ranks that take no part in the transfer have gone on."""
-    from resilient_ddp import checkpoint
+    from resilient_ddp.ops import checkpoint
 
     if not seconds:
         return

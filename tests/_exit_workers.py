@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import resilient_ddp as rd
-from resilient_ddp import _exit_guard
+from resilient_ddp.runtime import _exit_guard
 from resilient_ddp.testing import kill_self, stop_self
 
 THREAD_DELAY_S = 0.5

@@ -1,5 +1,5 @@
 """Fakes for the unit tests of the store wait loops: the parts of a ``Runtime`` they use,
-and the waits of a fresh ``Backoff`` on a :class:`~resilient_ddp._clock.FakeClock`."""
+and the waits of a fresh ``Backoff`` on a :class:`~resilient_ddp.base._clock.FakeClock`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from resilient_ddp import _control as ctl
+from resilient_ddp.control import _control as ctl
 from resilient_ddp.errors import Culprit
 
 # A fresh Backoff of few ranks waits, by hand from POLL_FIRST_S = 5 ms growing by

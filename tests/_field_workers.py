@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import resilient_ddp as rd
-from resilient_ddp import _runtime
+from resilient_ddp.runtime import _runtime
 
 from ._workers import CHILD_DUMP_AFTER_S, error_summary
 

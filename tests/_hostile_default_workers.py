@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import resilient_ddp as rd
-from resilient_ddp import _control as ctl
+from resilient_ddp.control import _control as ctl
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 3

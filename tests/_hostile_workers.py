@@ -16,7 +16,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from resilient_ddp import _control as ctl
+from resilient_ddp.control import _control as ctl
 
 from . import _elastic_workers as w
 

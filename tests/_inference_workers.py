@@ -261,7 +261,7 @@ def share_fault(rank: int, kind: str) -> Any:
 def send_state(rank: int, kind: str) -> Any:
     """``send_state_dict`` from rank 0 to rank 2 only; rank 1 takes no part. ``kind``:
     ``"ok"``, or ``"dies"`` (rank 2 dies first)."""
-    from resilient_ddp.checkpoint import send_state_dict
+    from resilient_ddp.ops.checkpoint import send_state_dict
 
     _init(FAST)
     t0 = time.monotonic()
@@ -375,7 +375,7 @@ def inference(
 def gather_slow_receiver(rank: int, delay: float) -> Any:
     """Rank 0 takes ``delay`` seconds over each received piece: the senders wait longer
     than one wait slice (0.25 s) in every round, which must not fail the gather."""
-    import resilient_ddp.gather as gather_module
+    import resilient_ddp.inference.gather as gather_module
 
     _init(FAST)
     try:

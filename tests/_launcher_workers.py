@@ -9,7 +9,7 @@ be). The only test instrumentation is around it: every rank writes a start recor
 process start time) and a result record (the error it got, with the wall time), the
 culprit a fault record (the wall time of the fault), all as JSON files in ``out_dir``.
 
-Entry points: :func:`rd_spawn_main` (``resilient_ddp.launch.launch``; the parent hosts the
+Entry points: :func:`rd_spawn_main` (``resilient_ddp.tools.launch.launch``; the parent hosts the
 store), :func:`mp_spawn_main` (``torch.multiprocessing.spawn``, set up as in PyTorch's DDP
 tutorial; rank 0 hosts the store) and :func:`script_main` (tests/_launcher_script.py,
 started by torchrun, whose agent hosts the store, or by ``subprocess.Popen`` with the
@@ -122,7 +122,7 @@ def _redirect_output(out_dir: str, rank: int) -> None:
 
 
 def rd_spawn_main(rank: int, out_dir: str, fault: str) -> None:
-    """Under ``resilient_ddp.launch.launch``: it set RANK, MASTER_PORT, ... already."""
+    """Under ``resilient_ddp.tools.launch.launch``: it set RANK, MASTER_PORT, ... already."""
     _redirect_output(out_dir, rank)
     train(out_dir, fault)
 

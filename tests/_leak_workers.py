@@ -152,7 +152,7 @@ def _store_keys() -> dict[str, Any]:
     """Keys in the job's store (all of them: the library's and torch's): their number, and
     their names with ``LEAK_TEST_LIST_KEYS=1`` where the store can list them
     (``TCPStore.list_keys``), for the test to name the keys that stayed."""
-    from resilient_ddp import _runtime
+    from resilient_ddp.runtime import _runtime
 
     rt = _runtime.current()
     assert rt is not None

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from resilient_ddp import _runtime
+from resilient_ddp.runtime import _runtime
 
 from . import _launcher_workers as w
 from ._procs import kill_named, wait_for

@@ -215,7 +215,7 @@ def pool_fault(
 
 def _resume(culprit: int) -> None:
     """SIGCONT the stopped culprit (its pid from the runtime's identity records)."""
-    from resilient_ddp import _runtime
+    from resilient_ddp.runtime import _runtime
 
     rt = _runtime.current()
     assert rt is not None

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import resilient_ddp as rd
-import resilient_ddp.preflight as preflight_module
+import resilient_ddp.group.preflight as preflight_module
 
 from ._workers import CHILD_DUMP_AFTER_S, error_summary, write_json
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import resilient_ddp as rd
-from resilient_ddp import _clock
-from resilient_ddp import ddp as rd_ddp
+from resilient_ddp.base import _clock
+from resilient_ddp.training import ddp as rd_ddp
 
 from ._workers import error_summary
 

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import resilient_ddp as rd
-from resilient_ddp import _runtime, elastic
+from resilient_ddp.runtime import _runtime
 from resilient_ddp.testing import kill_self
+from resilient_ddp.training import elastic
 
 # The step at which the victim dies, with every survivor inside that step's reduction.
 SKIP_AT = 3

@@ -145,7 +145,7 @@ def fault(rank: int, op: str, kind: str, culprit: int, cfg_kwargs: dict[str, Any
 def stuck_rank_diagnosed_once(rank: int, culprit: int, cfg_kwargs: dict[str, Any]) -> Any:
     """``culprit`` stalls before an all_reduce; the others return their error's summary and
     how many diagnoses the generation has seen when they read it (after their own)."""
-    from resilient_ddp import _runtime
+    from resilient_ddp.runtime import _runtime
 
     _init(cfg_kwargs)
     assert rd.all_reduce(torch.ones(1)).item() == dist.get_world_size()
@@ -260,7 +260,7 @@ def lost_op(rank: int, attempts: int, cfg_kwargs: dict[str, Any]) -> Any:
     try:
         rd.all_reduce(t, retry=attempts)
         after = rd.all_reduce(torch.ones(1)).item()
-        rt = rd._runtime.current()
+        rt = rd.runtime._runtime.current()
         gen = rt.generation if rt is not None else -1
         return {"value": t.tolist(), "after": after, "generation": gen}
     except rd.ResilientDDPError as e:
@@ -329,10 +329,10 @@ def frozen_in_op(rank: int, after: float, cfg_kwargs: dict[str, Any]) -> Any:
 def rebuild_after_a_failed_attempt(rank: int, cfg_kwargs: dict[str, Any]) -> Any:
     """Rank 0 tries to form generation 5 alone and times out; then both ranks form
     generation 6, which must not fail because of what rank 0's failed attempt left."""
-    from resilient_ddp.membership import rebuild
+    from resilient_ddp.group.membership import rebuild
 
     _init(cfg_kwargs)
-    rt = rd._runtime.current()
+    rt = rd.runtime._runtime.current()
     assert rt is not None
     store = rt.control_root
     try:

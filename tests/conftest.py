@@ -264,7 +264,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def rank_start(request: pytest.FixtureRequest) -> str:
     """How this session starts ranks (``--rank-start``), for a test that calls
-    :func:`resilient_ddp.launch.launch` itself: ``run_ranks`` follows it already."""
+    :func:`resilient_ddp.tools.launch.launch` itself: ``run_ranks`` follows it already."""
     return str(request.config.getoption("--rank-start"))
 
 

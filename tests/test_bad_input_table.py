@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import resilient_ddp as rd
-from resilient_ddp.collectives import _seconds
 from resilient_ddp.config import LONGEST_TIMEOUT
+from resilient_ddp.ops.collectives import _seconds
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _bad_input_workers as w

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import resilient_ddp as rd
-from resilient_ddp import collectives
-from resilient_ddp.collectives import Op, _call_op, _seconds
+from resilient_ddp.ops import collectives
+from resilient_ddp.ops.collectives import Op, _call_op, _seconds
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _workers as w

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import resilient_ddp as rd
-from resilient_ddp import _compat
-from resilient_ddp._compat import (
+from resilient_ddp.base import _compat
+from resilient_ddp.base._compat import (
     ALLOW_ENV,
     TORCH_BELOW,
     TORCH_MIN,

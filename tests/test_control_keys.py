@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _control as ctl
-from resilient_ddp import _torchelastic
+from resilient_ddp.control import _control as ctl
+from resilient_ddp.control import _torchelastic
 
 PKG = Path(__file__).resolve().parent.parent / "src" / "resilient_ddp"
 # The modules that own a key table (docs/architecture.md): the control plane, and inference's

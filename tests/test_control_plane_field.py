@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _control as ctl
-from resilient_ddp.launch import launch
+from resilient_ddp.control import _control as ctl
 from resilient_ddp.testing import format_outcomes, run_ranks
+from resilient_ddp.tools.launch import launch
 
 from . import _elastic_workers as w
 from . import _hostile_workers as h
@@ -187,8 +187,8 @@ def test_a_peer_in_another_pid_namespace_is_never_judged_by_its_pid() -> None:
 
 
 def _runtime_with_peer(*, pidns: str) -> Any:
-    from resilient_ddp._runtime import Runtime
     from resilient_ddp.config import ResilienceConfig
+    from resilient_ddp.runtime._runtime import Runtime
 
     rt = Runtime(
         rank=0,
@@ -216,8 +216,8 @@ def test_a_state_from_a_peer_is_unpickled_weights_only() -> None:
 
     import torch
 
-    from resilient_ddp._wire import dumps, loads
-    from resilient_ddp.checkpoint import _SkeletonPickler, _SkeletonUnpickler
+    from resilient_ddp.ops._wire import dumps, loads
+    from resilient_ddp.ops.checkpoint import _SkeletonPickler, _SkeletonUnpickler
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -279,8 +279,8 @@ def test_a_dead_store_during_elastic_work_is_a_typed_error_naming_the_work() -> 
     """The elastic protocol's store calls go through _control, whose error says only that
     the store is unreachable; elastic work turns it into a ControlPlaneError that says what
     it was doing (never a bare DistNetworkError from forward())."""
-    from resilient_ddp import elastic
     from resilient_ddp.errors import ControlPlaneError
+    from resilient_ddp.training import elastic
 
     server = ctl.serve_store("127.0.0.1")
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
@@ -425,7 +425,7 @@ def test_a_member_that_acknowledged_keeps_looking_until_its_generation_ends() ->
     watchdog of a generation that ended posts nothing."""
     from types import SimpleNamespace
 
-    from resilient_ddp import elastic
+    from resilient_ddp.training import elastic
 
     jobs = ctl.JobStore(ctl.root_prefix(dist.HashStore(), "job", "secret"))
     rt: Any = SimpleNamespace(generation=3, rank=1)
@@ -459,7 +459,7 @@ def test_the_watchdog_acknowledges_only_while_a_request_is_pending() -> None:
     admitted, and never changes ``joins_seen`` (the training thread's count)."""
     from types import SimpleNamespace
 
-    from resilient_ddp import elastic
+    from resilient_ddp.training import elastic
 
     jobs = ctl.JobStore(ctl.root_prefix(dist.HashStore(), "job", "secret"))
     jobs.init_joins()

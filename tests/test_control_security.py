@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _control as ctl
-from resilient_ddp import preflight
+from resilient_ddp.control import _control as ctl
 from resilient_ddp.errors import ConfigError, PreflightError
+from resilient_ddp.group import preflight
 
 SECRET = "a-long-enough-operator-secret"
 

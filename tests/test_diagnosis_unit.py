@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from resilient_ddp import _diagnosis, collectives
-from resilient_ddp._diagnosis import Blame, Verdict, majority, majority_rule, root_causes
-from resilient_ddp._diagnosis import what_blocks as _what_blocks
+from resilient_ddp.detection import _diagnosis
+from resilient_ddp.detection._diagnosis import Blame, Verdict, majority, majority_rule, root_causes
+from resilient_ddp.detection._diagnosis import what_blocks as _what_blocks
 
 _DOCS = Path(__file__).resolve().parent.parent / "docs"
 NAME, SEQ, NOW, RECOVERY = "all_reduce", 5, 1000.0, "recovery"
@@ -350,10 +350,6 @@ def test_majority(values: Any, ignore: Any, expected: tuple[Any, list[int]]) -> 
 def test_majority_without_votes() -> None:
     with pytest.raises(ValueError, match="empty"):
         majority([0, 0], ignore=0)
-
-
-def test_majority_is_still_importable_from_collectives() -> None:
-    assert collectives.majority is majority
 
 
 def test_majority_rule_without_divergence_keeps_every_culprit() -> None:

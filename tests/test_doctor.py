@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import resilient_ddp as rd
-from resilient_ddp import _doctor
-from resilient_ddp.preflight import check_environment, compare
+from resilient_ddp.group.preflight import check_environment, compare
+from resilient_ddp.tools import _doctor
 
 # Variables that would change the mode or the rendezvous of the child: a test process may
 # itself run under torchrun or rd.spawn, or with a resilient_ddp setting exported.
@@ -134,7 +134,7 @@ def test_unresolvable_master_addr_json() -> None:
 # ``__mp_main__``) get it too.
 _KILL_RANK_1 = """
 import os, signal, sys
-from resilient_ddp import _doctor
+from resilient_ddp.tools import _doctor
 
 _probe_skew = _doctor._probe_skew
 

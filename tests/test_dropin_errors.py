@@ -135,7 +135,7 @@ def test_without_torchs_error_types_the_stand_ins_are_runtime_errors(
 def test_our_errors_pass_the_elastic_store_error_wrapper_unchanged() -> None:
     """The elastic protocol rewrites a ``ControlPlaneError`` caused by a store call; one
     caused by another of our errors (now also a ``RuntimeError``) passes as it is."""
-    from resilient_ddp.elastic import _typed_store_errors
+    from resilient_ddp.training.elastic import _typed_store_errors
 
     inner = rd.ControlPlaneError("the watchdog saw the store go")
     outer = rd.ControlPlaneError("all_reduce#3 cannot complete")

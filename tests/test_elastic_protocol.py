@@ -1,4 +1,5 @@
-"""The pure elastic decisions (``resilient_ddp._elastic_protocol``), table-driven, no processes.
+"""The pure elastic decisions (``resilient_ddp.training._elastic_protocol``), table-driven,
+no processes.
 
 Failure kinds map onto the protocol's inputs as the watchdog reports them: a killed rank
 (crash) or one that raised (exception) is known dead and never proposes; a stopped rank
@@ -15,9 +16,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _control as ctl
-from resilient_ddp import elastic
-from resilient_ddp._elastic_protocol import (
+from resilient_ddp.control import _control as ctl
+from resilient_ddp.errors import ControlPlaneError
+from resilient_ddp.training import elastic
+from resilient_ddp.training._elastic_protocol import (
     Admission,
     Proposal,
     ShrinkDecision,
@@ -29,8 +31,7 @@ from resilient_ddp._elastic_protocol import (
     pending_joiners,
     should_decide,
 )
-from resilient_ddp.elastic_sampler import ElasticBatchSampler
-from resilient_ddp.errors import ControlPlaneError
+from resilient_ddp.training.elastic_sampler import ElasticBatchSampler
 
 from ._counting_store import CountingStore
 from ._fake_runtime import fake_runtime

@@ -20,14 +20,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from resilient_ddp import elastic_sampler as es
-from resilient_ddp.elastic_sampler import (
+from resilient_ddp.errors import ConfigError
+from resilient_ddp.testing import format_outcomes, kill_self, run_ranks
+from resilient_ddp.training import elastic_sampler as es
+from resilient_ddp.training.elastic_sampler import (
     ElasticBatchSampler,
     ElasticDataLoader,
     ElasticDistributedSampler,
 )
-from resilient_ddp.errors import ConfigError
-from resilient_ddp.testing import format_outcomes, kill_self, run_ranks
 
 from . import _elastic_loader_workers as lw
 from .test_elastic_mp import _check_job

@@ -93,7 +93,7 @@ def test_retry_budget_keeps_last_attempt() -> None:
 def test_a_lost_store_in_the_elastic_protocol_is_a_control_plane_error() -> None:
     import torch.distributed as dist
 
-    from resilient_ddp.elastic import _typed_store_errors
+    from resilient_ddp.training.elastic import _typed_store_errors
 
     @_typed_store_errors("recovery")
     def step() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from resilient_ddp import _events
+from resilient_ddp.control import _events
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _workers as w

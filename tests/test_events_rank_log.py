@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _events, _runtime
-from resilient_ddp._runtime import Runtime
 from resilient_ddp.config import ResilienceConfig
+from resilient_ddp.control import _events
+from resilient_ddp.runtime import _runtime
+from resilient_ddp.runtime._runtime import Runtime
 
 
 @pytest.fixture(autouse=True)

@@ -244,7 +244,7 @@ def test_exit_waits_until_no_gloo_worker_is_runnable(monkeypatch: pytest.MonkeyP
     """At exit the library waits, with the GIL released, until gloo's workers have been seen
     idle twice in a row: a worker preempted right after completing an op still has to free
     the op's tensors under the GIL, and during finalization that aborts the process."""
-    from resilient_ddp import process_group as pg
+    from resilient_ddp.group import process_group as pg
 
     seen = iter([1, 1, 0, 1, 0, 0, 1])
     calls: list[int] = []
@@ -271,7 +271,7 @@ def test_a_busy_thread_named_as_gloos_worker_is_counted_runnable() -> None:
     import hashlib
     import threading
 
-    from resilient_ddp import process_group as pg
+    from resilient_ddp.group import process_group as pg
 
     libc = ctypes.CDLL(None, use_errno=True)
     stop = threading.Event()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _runtime
+from resilient_ddp.runtime import _runtime
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _field_workers as w

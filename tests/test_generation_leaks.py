@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_ddp import membership
-from resilient_ddp._runtime import PendingOp
 from resilient_ddp.errors import RankFailureError, forget_frames
+from resilient_ddp.group import membership
+from resilient_ddp.runtime._runtime import PendingOp
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _leak_workers as w
@@ -151,7 +151,7 @@ def test_every_ranks_acknowledgements_are_forgotten_with_their_generation() -> N
     it in the generation's ``extra``, and every one of them is deleted."""
     import torch.distributed as dist
 
-    from resilient_ddp import _control as ctl
+    from resilient_ddp.control import _control as ctl
 
     base = dist.HashStore()
     jobs = ctl.JobStore(ctl.root_prefix(base, "job", "secret"))

@@ -15,7 +15,7 @@ from resilient_ddp.testing import format_outcomes, run_ranks
 
 def _inspect(rank: int) -> dict[str, Any]:
     import resilient_ddp as rd
-    from resilient_ddp import _runtime
+    from resilient_ddp.runtime import _runtime
 
     sockets = []
     for fd in os.listdir("/proc/self/fd"):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import resilient_ddp as rd
-from resilient_ddp import _work_pool as wp
-from resilient_ddp.inference import _Bar
+from resilient_ddp.inference import _work_pool as wp
+from resilient_ddp.inference.inference import _Bar
 
 
 class CountingStore:
@@ -466,7 +466,7 @@ def test_progress_bar_shows_throughput_and_eta(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     clock = iter([0.0, 2.0])
-    monkeypatch.setattr("resilient_ddp.inference.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("resilient_ddp.inference.inference.time.monotonic", lambda: next(clock))
     bar = _Bar(100)
     bar.update(50, 100)
     line = capsys.readouterr().err
@@ -515,8 +515,9 @@ class _Jobs:
 def test_a_joiner_helps_only_with_the_inference_of_a_job_that_admits_nobody(
     rec: dict[str, object] | None, becomes: str
 ) -> None:
-    from resilient_ddp import _guest, elastic
     from resilient_ddp.config import ResilienceConfig
+    from resilient_ddp.inference import _guest
+    from resilient_ddp.training import elastic
 
     cfg = ResilienceConfig()
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from resilient_ddp import ConfigError
-from resilient_ddp._wire import dumps, loads
-from resilient_ddp.inference import _Bar, _split
+from resilient_ddp.inference.inference import _Bar, _split
+from resilient_ddp.ops._wire import dumps, loads
 
 
 def test_split_gives_one_result_per_item() -> None:
@@ -81,7 +81,7 @@ def test_compact_pickling_keeps_dtype_shape_and_values(t: torch.Tensor) -> None:
 _PIECES_PEAK = """
 import sys, tracemalloc
 import torch
-from resilient_ddp.gather import _pieces
+from resilient_ddp.inference.gather import _pieces
 rows = list(torch.randn(int(sys.argv[1]) * 256, 1024).unbind(0))  # 4 KiB rows
 chunk = int(sys.argv[2]) << 20
 tracemalloc.start()
@@ -113,7 +113,7 @@ def test_sending_pieces_holds_one_piece_of_python_memory() -> None:
 
 @pytest.mark.parametrize("with_indices", [False, True])
 def test_gather_pieces_stay_within_chunk_bytes_and_parse_back(with_indices: bool) -> None:
-    from resilient_ddp.gather import _parse, _pieces
+    from resilient_ddp.inference.gather import _parse, _pieces
 
     # Rows of 400 floats (1.6 KB pickled), one of 3000 (larger than a piece), then more rows.
     entries: list[object] = [torch.full((400,), float(i)) for i in range(10)]

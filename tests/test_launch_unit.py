@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from resilient_ddp import launch
 from resilient_ddp.errors import RankOutcome
 from resilient_ddp.testing import format_outcomes
+from resilient_ddp.tools import launch
 
 
 class _Proc:

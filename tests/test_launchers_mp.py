@@ -3,7 +3,7 @@ three faults on rank 1 of 3.
 
 Launchers, by who hosts the store (the control plane):
 
-- ``rd_spawn``: ``resilient_ddp.launch.launch`` (through ``rd.testing.run_ranks``, so
+- ``rd_spawn``: ``resilient_ddp.tools.launch.launch`` (through ``rd.testing.run_ranks``, so
   started as conftest's ``--rank-start`` says); the test process (the parent) hosts it.
 - ``torchrun``: ``python -m torch.distributed.run --standalone``; the agent hosts it.
 - ``mp_spawn``: ``torch.multiprocessing.spawn`` set up as in PyTorch's DDP tutorial
@@ -139,7 +139,7 @@ def _port_taken(out: Path) -> bool:
 
 def _launch_rd_spawn(tmp_path: Path, fault: str, env: dict[str, str], deadline: float) -> Run:
     out = attempt_dir(tmp_path, 0)
-    # resilient_ddp.launch.launch, starting the ranks as the session chose (conftest's
+    # resilient_ddp.tools.launch.launch, starting the ranks as the session chose (conftest's
     # --rank-start: forks of a server that imported torch, or spawn for a cold start).
     outcomes = run_ranks(
         w.rd_spawn_main,

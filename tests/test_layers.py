@@ -24,54 +24,58 @@ LAYERS: dict[str, int] = {
         [
             "errors",
             "config",
-            "_clock",
-            "_timings",
-            "_wire",
-            "_elastic_protocol",
-            "_diagnosis",
-            "_work_pool",
-            "_compat",
-            "_backend",
-            "sampler",
-            "_guest",
-            "_traces",
+            "base._clock",
+            "base._timings",
+            "ops._wire",
+            "training._elastic_protocol",
+            "detection._diagnosis",
+            "inference._work_pool",
+            "base._compat",
+            "base._backend",
+            "inference.sampler",
+            "inference._guest",
+            "base._traces",
         ],
         0,
     ),
     # 1 control plane: the store, its keys and records; start-up checks; progress signals.
     **dict.fromkeys(
         [
-            "_control",
-            "_torchelastic",
-            "preflight",
-            "_progress",
-            "_events",
-            "_board",
-            "_exit_guard",
+            "control._control",
+            "control._torchelastic",
+            "group.preflight",
+            "detection._progress",
+            "control._events",
+            "control._board",
+            "runtime._exit_guard",
         ],
         1,
     ),
     # 2 the process's view of the job.
-    "_runtime": 2,
+    "runtime._runtime": 2,
     # 3 failure detection: the watchdog, store-side diagnosis, the process's hooks.
-    **dict.fromkeys(["watchdog", "_process_hooks", "_store_diagnosis"], 3),
+    **dict.fromkeys(
+        ["detection.watchdog", "runtime._process_hooks", "detection._store_diagnosis"], 3
+    ),
     # 4 regrouping (a new generation's group).
-    "membership": 4,
+    "group.membership": 4,
     # 5 bounded operations.
-    **dict.fromkeys(["collectives", "gather", "torch_collectives", "checkpoint"], 5),
+    **dict.fromkeys(
+        ["ops.collectives", "inference.gather", "ops.torch_collectives", "ops.checkpoint"], 5
+    ),
     # 6 elastic training.
-    **dict.fromkeys(["elastic", "elastic_sampler"], 6),
+    **dict.fromkeys(["training.elastic", "training.elastic_sampler"], 6),
     # 7 the process group's life.
-    "process_group": 7,
+    "group.process_group": 7,
     # 8 what users call: DDP, inference, launchers, framework integrations, tools.
     **dict.fromkeys(
         [
-            "ddp",
-            "inference",
-            "launch",
+            "training.ddp",
+            "inference.inference",
+            "tools.launch",
             "testing",
-            "_demo",
-            "_doctor",
+            "tools._demo",
+            "tools._doctor",
             "__init__",
             "__main__",
             "integrations",
@@ -93,8 +97,15 @@ def _modules() -> dict[str, Path]:
     found = {}
     for path in PKG.rglob("*.py"):
         name = ".".join(path.relative_to(PKG).with_suffix("").parts)
-        found["integrations" if name == "integrations.__init__" else name] = path
+        found[name.removesuffix(".__init__")] = path
     return found
+
+
+#: The package's folders (docs/architecture.md, "Where things live"): each ``__init__.py``
+#: holds only a docstring, so a folder has no layer of its own.
+FOLDERS = sorted(
+    p.parent.name for p in PKG.glob("*/__init__.py") if p.parent.name != "integrations"
+)
 
 
 def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
@@ -141,7 +152,7 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
 
 
 def _upward() -> set[tuple[str, str]]:
-    modules = _modules()
+    modules = {n: p for n, p in _modules().items() if n not in FOLDERS}
     return {
         (name, dep)
         for name, path in modules.items()
@@ -151,10 +162,36 @@ def _upward() -> set[tuple[str, str]]:
 
 
 def test_every_module_has_a_layer() -> None:
-    missing = sorted(set(_modules()) - set(LAYERS))
+    missing = sorted(set(_modules()) - set(LAYERS) - set(FOLDERS))
     assert not missing, f"place these modules in LAYERS (tests/test_layers.py): {missing}"
     gone = sorted(set(LAYERS) - set(_modules()))
     assert not gone, f"modules listed in LAYERS that no longer exist: {gone}"
+
+
+def test_a_folder_holds_only_its_docstring() -> None:
+    """Importing ``resilient_ddp.detection`` runs no code: the folders are places, and
+    every module keeps the layer LAYERS gives it."""
+    for folder in FOLDERS:
+        tree = ast.parse((PKG / folder / "__init__.py").read_text())
+        assert ast.get_docstring(tree), f"{folder}/__init__.py: say what the folder is about"
+        assert len(tree.body) == 1, f"{folder}/__init__.py must hold only its docstring"
+
+
+def test_the_architecture_page_lists_every_folder_and_its_modules() -> None:
+    """The page's folder table names each folder and exactly the modules in it."""
+    import re
+
+    page = (PKG.parent.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)/` \| [^|]+\| (.+) \|$", page, re.MULTILINE)
+    listed = {folder: set(re.findall(r"`(\w+)`", mods)) for folder, mods in rows}
+    on_disk = {
+        folder: {p.stem for p in (PKG / folder).glob("*.py") if p.stem != "__init__"}
+        for folder in [*FOLDERS, "integrations"]
+    }
+    # A module's description may quote other names in backticks: compare what exists.
+    missing = {f: sorted(on_disk[f] - listed.get(f, set())) for f in on_disk}
+    assert not any(missing.values()), f"docs/architecture.md's folder table misses {missing}"
+    assert set(listed) == set(on_disk)
 
 
 def test_no_new_upward_import() -> None:
@@ -176,7 +213,7 @@ def test_the_known_upward_imports_are_still_there() -> None:
         ("from . import _runtime\n", {"_runtime"}),
         ("def f():\n    from .errors import ConfigError\n", {"errors"}),
         ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .ddp import X\n", set()),
-        ("import resilient_ddp.collectives\n", {"collectives"}),
+        ("import resilient_ddp.ops.collectives\n", {"ops.collectives"}),
         ("from resilient_ddp.integrations import _common\n", {"integrations._common"}),
     ],
 )
@@ -185,7 +222,7 @@ def test_the_scan_sees_top_level_deferred_and_typing_imports(
 ) -> None:
     path = tmp_path / "m.py"
     path.write_text(source)
-    modules = {"_runtime", "errors", "ddp", "collectives", "integrations._common", "m"}
+    modules = {"_runtime", "errors", "ddp", "ops.collectives", "integrations._common", "m"}
     assert _imports("m", path, modules) == expected
 
 
@@ -197,7 +234,8 @@ def test_the_lower_layers_know_who_this_process_is_through_the_runtimes_hook(
     import logging
     from types import SimpleNamespace
 
-    from resilient_ddp import _events, _runtime, _torchelastic
+    from resilient_ddp.control import _events, _torchelastic
+    from resilient_ddp.runtime import _runtime
 
     monkeypatch.setenv("RANK", "5")
     record = logging.LogRecord("resilient_ddp", logging.INFO, __file__, 1, "m", None, None)

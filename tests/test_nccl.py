@@ -247,7 +247,7 @@ def _single_rank_nccl_worker(rank: int) -> Any:
     ddp(torch.ones(2, 16, device=dev)).sum().backward()
     torch.cuda.synchronize()
     got = rd.broadcast_state_dict({"w": torch.arange(5.0, device=dev)}, src=0)
-    from resilient_ddp._backend import abort_group, backend_name
+    from resilient_ddp.base._backend import abort_group, backend_name
 
     name = backend_name()
     abort_group()

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _clock, preflight
-from resilient_ddp._control import PreflightKeys
+from resilient_ddp.base import _clock
+from resilient_ddp.control._control import PreflightKeys
 from resilient_ddp.errors import PreflightError
-from resilient_ddp.preflight import Environment
+from resilient_ddp.group import preflight
+from resilient_ddp.group.preflight import Environment
 
 from ._counting_store import CountingStore
 from ._fake_runtime import backoff_waits

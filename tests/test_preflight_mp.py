@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _clock, preflight
-from resilient_ddp._control import PreflightKeys
+from resilient_ddp.base import _clock
+from resilient_ddp.control._control import PreflightKeys
 from resilient_ddp.errors import PreflightError
-from resilient_ddp.preflight import Environment, check_environment
+from resilient_ddp.group import preflight
+from resilient_ddp.group.preflight import Environment, check_environment
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _preflight_workers as w

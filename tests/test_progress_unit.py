@@ -1,4 +1,4 @@
-"""Progress signals (resilient_ddp._progress): what counts as the main thread moving.
+"""Progress signals (resilient_ddp.detection._progress): what counts as the main thread moving.
 
 Table tests over a scripted reader and an injected clock (no sleeping), plus the real
 readers of /proc on this process's own threads.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import resilient_ddp as rd
-from resilient_ddp import _progress as pg
+from resilient_ddp.detection import _progress as pg
 
 BASE = pg.Sample(cpu_s=1.0, state="S", stack=1, io=100, marks=0, gpu=0, where="f() at x.py:1")
 

@@ -6,7 +6,7 @@ import pytest
 import tenacity
 
 import resilient_ddp as rd
-from resilient_ddp.collectives import _retries, _TransientError
+from resilient_ddp.ops.collectives import _retries, _TransientError
 
 
 def _redos(policy: rd.RetryPolicy | tenacity.Retrying, budget_s: float = 60.0) -> tuple[int, list]:

@@ -1,5 +1,5 @@
 """Only ``Runtime``'s own methods change its state: a scan of the package for writes to a
-``Runtime``'s attributes outside ``src/resilient_ddp/_runtime.py``.
+``Runtime``'s attributes outside ``src/resilient_ddp/runtime/_runtime.py``.
 
 A write is an assignment, an augmented assignment or a ``del`` whose target is an attribute
 of a runtime (``rt.x = ...``, ``self.rt.x += ...``, ``del runtime.x``), an item of one
@@ -60,7 +60,7 @@ KNOWN_WRITES: set[tuple[str, str]] = set()
 
 def _settable_properties() -> frozenset[str]:
     """The properties of ``Runtime`` that have a setter (its own code runs on a write)."""
-    tree = ast.parse((PKG / "_runtime.py").read_text())
+    tree = ast.parse((PKG / "runtime" / "_runtime.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Runtime")
     found = set()
     for fn in cls.body:
@@ -170,7 +170,7 @@ def _writes() -> dict[tuple[str, str], list[int]]:
     out: dict[tuple[str, str], list[int]] = {}
     for path in sorted(PKG.rglob("*.py")):
         name = ".".join(path.relative_to(PKG).with_suffix("").parts)
-        if name == "_runtime":
+        if name == "runtime._runtime":
             continue
         for line, attr in scan(path.read_text(), settable):
             out.setdefault((name, attr), []).append(line)
@@ -211,10 +211,10 @@ def test_one_place_creates_a_runtime() -> None:
     """Runtimes come only from ``Runtime``'s named constructors (``of_group``,
     ``of_guest``), whose ``cls(...)`` calls are the only constructions."""
     made = _constructions()
-    assert all(m.startswith("_runtime.Runtime.of_") for m in made), made
+    assert all(m.startswith("runtime._runtime.Runtime.of_") for m in made), made
     assert {m.split(":")[0] for m in made} == {
-        "_runtime.Runtime.of_group",
-        "_runtime.Runtime.of_guest",
+        "runtime._runtime.Runtime.of_group",
+        "runtime._runtime.Runtime.of_guest",
     }, made
 
 

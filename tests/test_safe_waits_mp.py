@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-from resilient_ddp import _clock, _runtime, _store_diagnosis
+from resilient_ddp.base import _clock
+from resilient_ddp.detection import _store_diagnosis
+from resilient_ddp.runtime import _runtime
 from resilient_ddp.testing import format_outcomes, run_ranks
 
 from . import _safe_waits_workers as w

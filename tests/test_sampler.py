@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from resilient_ddp.errors import ConfigError
-from resilient_ddp.sampler import BalancedDistributedSampler, LockstepBatchSampler
+from resilient_ddp.inference.sampler import BalancedDistributedSampler, LockstepBatchSampler
 
 BENCH_BATCH_SIZE = 8  # benchmarks/bench_sampler.py's lockstep batch size
 

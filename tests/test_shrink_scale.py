@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _control as ctl
-from resilient_ddp import _timings, elastic
-from resilient_ddp._elastic_protocol import Proposal, ShrinkDecision
+from resilient_ddp.base import _timings
+from resilient_ddp.control import _control as ctl
 from resilient_ddp.errors import ControlPlaneError, Culprit
+from resilient_ddp.training import elastic
+from resilient_ddp.training._elastic_protocol import Proposal, ShrinkDecision
 
 from ._counting_store import CountingStore
 from ._fake_runtime import fake_runtime as protocol_rt

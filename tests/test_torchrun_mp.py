@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import resilient_ddp as rd
-from resilient_ddp import _torchelastic
+from resilient_ddp.control import _torchelastic
 from resilient_ddp.errors import Culprit
 from tests._procs import kill_named
 from tests._torchrun_scripts import train_ddp

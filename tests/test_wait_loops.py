@@ -2,7 +2,7 @@
 
 Every rank of a job polls these loops at once, on one store: a poll must cost each rank a
 fixed number of requests (a counter, a decision key), not one key (or log line) per rank.
-The loops run in the test's thread on a :class:`~resilient_ddp._clock.FakeClock`: its
+The loops run in the test's thread on a :class:`~resilient_ddp.base._clock.FakeClock`: its
 sleeps take no time, what the other ranks do is scheduled on it, and the tests count the
 polls and the waits exactly. The runtime is a fake (``tests/_fake_runtime.py``).
 """
@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _clock, elastic
-from resilient_ddp import _control as ctl
-from resilient_ddp._clock import FakeClock
-from resilient_ddp._elastic_protocol import Admission, Proposal
+from resilient_ddp.base import _clock
+from resilient_ddp.base._clock import FakeClock
+from resilient_ddp.control import _control as ctl
 from resilient_ddp.errors import Culprit, RankFailureError
+from resilient_ddp.training import elastic
+from resilient_ddp.training._elastic_protocol import Admission, Proposal
 
 from ._counting_store import CountingStore
 from ._fake_runtime import RAMP, backoff_waits

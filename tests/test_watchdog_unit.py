@@ -23,14 +23,15 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient_ddp import _control as ctl
-from resilient_ddp import _runtime, watchdog
-from resilient_ddp._control import event_problem
-from resilient_ddp._events import plain_log
-from resilient_ddp._runtime import PendingOp, Runtime
 from resilient_ddp.config import ResilienceConfig
+from resilient_ddp.control import _control as ctl
+from resilient_ddp.control._control import event_problem
+from resilient_ddp.control._events import plain_log
+from resilient_ddp.detection import watchdog
+from resilient_ddp.detection.watchdog import Watchdog, watch_targets
 from resilient_ddp.errors import ControlPlaneError, Culprit, RankFailureError
-from resilient_ddp.watchdog import Watchdog, watch_targets
+from resilient_ddp.runtime import _runtime
+from resilient_ddp.runtime._runtime import PendingOp, Runtime
 
 _JOIN_S = 30.0  # deadline for a watchdog thread that must end by itself (ends in < 1 s)
 
@@ -215,7 +216,7 @@ def test_sigterm_inside_the_runtimes_lock_is_handled_again_once_it_is_released(
     """A launcher's SIGTERM that interrupts the main thread inside the runtime's lock must
     not wait there for the watchdog's verdict (the watchdog needs that lock to record it):
     the handler returns at once and has the signal sent again."""
-    from resilient_ddp import _process_hooks
+    from resilient_ddp.runtime import _process_hooks
 
     rt, _, _ = _runtime_for(store)
     again: list[int] = []

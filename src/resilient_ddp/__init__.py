@@ -6,28 +6,10 @@ Every public name is importable from here; the submodules are implementation det
 from __future__ import annotations
 
 # First: refuses a torch outside the supported range before anything uses its internals.
-from . import _compat  # noqa: F401
-from ._progress import progress
-from ._runtime import add_failure_listener, phase, section
-from .checkpoint import broadcast_state_dict, load_and_broadcast
-from .collectives import (
-    all_gather,
-    all_gather_object,
-    all_reduce,
-    barrier,
-    broadcast,
-    broadcast_object,
-)
-from .config import ResilienceConfig, RetryPolicy, get_config, set_config
-from .ddp import ResilientDDP, make_resilient
-from .elastic import (
-    ElasticParticipant,
-    WorldSizeChange,
-    add_world_size_listener,
-    register_elastic_participant,
-)
-from .elastic_sampler import ElasticBatchSampler, ElasticDataLoader, ElasticDistributedSampler
-from .errors import (
+from resilient_ddp.base import _compat  # noqa: F401 - checks the torch version at import
+from resilient_ddp.config import ResilienceConfig, RetryPolicy, get_config, set_config
+from resilient_ddp.detection._progress import progress
+from resilient_ddp.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigError,
@@ -41,8 +23,13 @@ from .errors import (
     RetryBudgetExhaustedError,
     SpawnError,
 )
-from .gather import gather_to_rank0
-from .inference import (
+from resilient_ddp.group.process_group import (
+    destroy_process_group,
+    init_process_group,
+    is_initialized,
+)
+from resilient_ddp.inference.gather import gather_to_rank0
+from resilient_ddp.inference.inference import (
     InferenceItemFailure,
     InferenceSummary,
     distributed_inference,
@@ -50,10 +37,31 @@ from .inference import (
     last_inference_summary,
     load_inference_results,
 )
-from .launch import spawn
-from .process_group import destroy_process_group, init_process_group, is_initialized
-from .sampler import BalancedDistributedSampler, LockstepBatchSampler
-from .torch_collectives import bound_torch_collectives
+from resilient_ddp.inference.sampler import BalancedDistributedSampler, LockstepBatchSampler
+from resilient_ddp.ops.checkpoint import broadcast_state_dict, load_and_broadcast
+from resilient_ddp.ops.collectives import (
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+)
+from resilient_ddp.ops.torch_collectives import bound_torch_collectives
+from resilient_ddp.runtime._runtime import add_failure_listener, phase, section
+from resilient_ddp.tools.launch import spawn
+from resilient_ddp.training.ddp import ResilientDDP, make_resilient
+from resilient_ddp.training.elastic import (
+    ElasticParticipant,
+    WorldSizeChange,
+    add_world_size_listener,
+    register_elastic_participant,
+)
+from resilient_ddp.training.elastic_sampler import (
+    ElasticBatchSampler,
+    ElasticDataLoader,
+    ElasticDistributedSampler,
+)
 
 __version__ = "0.1.0"
 

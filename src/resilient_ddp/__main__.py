@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _demo, _doctor
+from resilient_ddp.tools import _demo, _doctor
 
 
 def main(argv: list[str] | None = None) -> int:

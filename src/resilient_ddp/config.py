@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from resilient_ddp.errors import ConfigError
 
 __all__ = ["ResilienceConfig", "RetryPolicy", "get_config", "resolve", "set_config"]
 

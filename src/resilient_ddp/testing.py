@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from .config import Duration
-from .errors import RankOutcome
-from .launch import launch
+from resilient_ddp.config import Duration
+from resilient_ddp.errors import RankOutcome
+from resilient_ddp.tools.launch import launch
 
 __all__ = [
     "format_outcomes",

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from resilient_ddp import _runtime
 from resilient_ddp.config import ResilienceConfig, resolve
-from resilient_ddp.ddp import ResilientDDP
 from resilient_ddp.errors import ConfigError
-from resilient_ddp.process_group import init_process_group
-from resilient_ddp.torch_collectives import bound_torch_collectives
+from resilient_ddp.group.process_group import init_process_group
+from resilient_ddp.ops.torch_collectives import bound_torch_collectives
+from resilient_ddp.runtime import _runtime
+from resilient_ddp.training.ddp import ResilientDDP
 
 
 def refuse_shrink(resilience: ResilienceConfig | None) -> None:

@@ -25,9 +25,8 @@ from lightning.fabric.strategies.ddp import DDPStrategy
 from torch import nn
 
 from resilient_ddp.config import ResilienceConfig
-from resilient_ddp.ddp import ResilientDDP
-
-from ._common import init_group, refuse_shrink, register, wrap
+from resilient_ddp.integrations._common import init_group, refuse_shrink, register, wrap
+from resilient_ddp.training.ddp import ResilientDDP
 
 __all__ = ["ResilientDDPStrategy"]
 

@@ -30,9 +30,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
 from resilient_ddp.config import ResilienceConfig
-from resilient_ddp.ddp import ResilientDDP
-
-from ._common import init_group, refuse_shrink, register, wrap
+from resilient_ddp.integrations._common import init_group, refuse_shrink, register, wrap
+from resilient_ddp.training.ddp import ResilientDDP
 
 __all__ = ["ResilientDDPStrategy"]
 

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from resilient_ddp.config import ResilienceConfig
-from resilient_ddp.ddp import make_resilient
 from resilient_ddp.errors import ConfigError
+from resilient_ddp.training.ddp import make_resilient
 
 __all__ = ["ResilientTrainerCallback"]
 
