@@ -3,6 +3,7 @@ or stuck (they do not), with the library's default timing (no op_timeout set).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,25 +66,60 @@ def _deadlock() -> None:
 HOGS = 6
 
 
+def starved_cpu() -> int:
+    """The CPU the starved rank's main thread is pinned to (and the hogs)."""
+    return min(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def hogs(cpu: int) -> Iterator[None]:
+    """:data:`HOGS` busy loops pinned to ``cpu``, started by the test's own process: the
+    starved rank's children would count as its work (the child-process signal)."""
+    spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(HOGS)]
+    try:
+        yield
+    finally:
+        for h in procs:
+            h.kill()
+        for h in procs:
+            h.wait()
+
+
 def _starved(seconds: float) -> None:
     """Computes (one-threaded matmuls, its stack cycling on two lines) on a CPU it shares
-    with :data:`HOGS` busy loops: an overloaded host, where it gets about 14% of a core.
-    Only its main thread is pinned there: its watchdog still beats."""
-    cpu = min(os.sched_getaffinity(0))
-    spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
-    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(HOGS)]
-    try:
-        os.sched_setaffinity(0, {cpu})  # 0: this thread (the main one) only
-        torch.set_num_threads(1)
-        a = torch.randn(256, 256)
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            a = torch.tanh(a @ a)
-    finally:
-        for h in hogs:
-            h.kill()
-        for h in hogs:
-            h.wait()
+    with :data:`HOGS` busy loops (:func:`hogs`, started by the test): an overloaded host,
+    where it gets about 14% of a core. Only its main thread is pinned there: its watchdog
+    still beats."""
+    os.sched_setaffinity(0, {starved_cpu()})  # 0: this thread (the main one) only
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+
+
+class SlowItems(torch.utils.data.Dataset[torch.Tensor]):
+    """Items that take ``seconds`` of CPU each to make (a heavy decode or augmentation)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        _busy_cpu(self.seconds)
+        return torch.ones(1)
+
+
+def _slow_loader(seconds: float) -> None:
+    """Waits for the first batch of a DataLoader whose one worker (started by the rank's
+    own start method: under the test harness, a fork server's child, the rank's
+    grandchild) takes ``seconds`` of CPU to make it. The main thread only polls the
+    loader's queue meanwhile: its own signals do not move."""
+    loader = torch.utils.data.DataLoader(SlowItems(seconds), num_workers=1)
+    assert next(iter(loader)).sum().item() == 1.0
 
 
 def _dead_loader() -> None:
@@ -110,6 +147,21 @@ def _stop_self() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+#: What the late rank does, by kind: (seconds, a scratch file) -> None.
+_KINDS: dict[str, Callable[[float, str], None]] = {
+    "cpu": lambda s, _: _busy_cpu(s),
+    "io": _busy_io,
+    "marks": lambda s, _: _marked(s),
+    "starved": lambda s, _: _starved(s),
+    "workers": lambda s, _: _slow_loader(s),
+    "deadlock": lambda s, _: _deadlock(),
+    "loader": lambda s, _: _dead_loader(),
+    "sleep": lambda s, _: _sleep_loop(),
+    "livelock": lambda s, _: _livelock(),
+    "stop": lambda s, _: _stop_self(),
+}
+
+
 def late(rank: int, culprit: int, kind: str, arg: float, tmp: str, cfg: dict[str, Any]) -> Any:
     """Three all_reduces; before the second, ``culprit`` does ``kind`` for ``arg`` s."""
     rd.init_process_group("gloo", config=rd.ResilienceConfig(**cfg))
@@ -118,24 +170,7 @@ def late(rank: int, culprit: int, kind: str, arg: float, tmp: str, cfg: dict[str
     t0 = time.monotonic()
     try:
         if rank == culprit:
-            if kind == "cpu":
-                _busy_cpu(arg)
-            elif kind == "io":
-                _busy_io(arg, os.path.join(tmp, f"ckpt{rank}"))
-            elif kind == "marks":
-                _marked(arg)
-            elif kind == "starved":
-                _starved(arg)
-            elif kind == "deadlock":
-                _deadlock()
-            elif kind == "loader":
-                _dead_loader()
-            elif kind == "sleep":
-                _sleep_loop()
-            elif kind == "livelock":
-                _livelock()
-            elif kind == "stop":
-                _stop_self()
+            _KINDS[kind](arg, os.path.join(tmp, f"ckpt{rank}"))
         t = torch.ones(1)
         rd.all_reduce(t)
         rd.all_reduce(t)

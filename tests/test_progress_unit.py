@@ -6,8 +6,10 @@ readers of /proc on this process's own threads.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -74,6 +76,21 @@ def _seq(*changes: dict[str, object]) -> list[pg.Sample]:
         ("disk", _seq({}, {"state": "D"}, {"state": "D"}), 0.0, ("disk",)),
         ("marks", _seq({}, {"marks": 1}, {"marks": 1}), 1.0, ("marks",)),
         ("gpu", _seq({}, {"gpu": 1}, {"gpu": 2}), 0.0, ("gpu",)),
+        # The main thread waits (a DataLoader's queue) while its workers compute: their
+        # CPU time (half a core a second, summed over the live descendants) is work.
+        (
+            "children",
+            _seq({"children_s": 0.0}, {"children_s": 0.5}, {"children_s": 1.0}),
+            0.0,
+            ("children",),
+        ),
+        # A child that only polls, and a child that exited (the sum fell): not work.
+        (
+            "children_idle",
+            _seq({"children_s": 5.0}, {"children_s": 5.01}, {"children_s": 0.0}),
+            2.0,
+            (),
+        ),
         # Unreadable /proc: CPU and I/O never count.
         ("unreadable", _seq({"cpu_s": -1.0, "io": -1}, {}, {}), 2.0, ()),
         # An overloaded host: a working thread gets 10% of a core and waits for one the
@@ -213,7 +230,7 @@ def test_fingerprint_and_where_of_this_frame() -> None:
 
 _FRAME_READER = """
 import gc, sys, threading
-from resilient_ddp import _progress
+from resilient_ddp.detection import _progress
 main = threading.get_ident()
 def garbage():
     class Holder: pass
@@ -271,6 +288,62 @@ def test_the_data_plane_counts_gloo_threads_only(tmp_path: Any) -> None:
     assert pg.data_plane(str(tmp_path)) == 300 + 200 + 4 + 1 + 20 + 10 + 2
     _task(tmp_path, 15, "pt_gloo_runloop", 1, 0, 0, 0)
     assert pg.data_plane(str(tmp_path)) == 538  # one more byte moved
+
+
+def _proc(root: Any, pid: int, utime: int, stime: int, kids: dict[int, list[int]]) -> None:
+    """A fake ``/proc/<pid>``: its ``stat`` (CPU ticks) and, per thread, its children."""
+    d = root / str(pid)
+    (d / "task").mkdir(parents=True)
+    fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5
+    (d / "stat").write_text(f"{pid} (python) " + " ".join(fields) + "\n")
+    for tid, children in kids.items():
+        (d / "task" / str(tid)).mkdir()
+        (d / "task" / str(tid) / "children").write_text(" ".join(map(str, children)) + " ")
+
+
+def test_the_children_reader_sums_live_descendants_to_its_depth(tmp_path: Any) -> None:
+    """A rank (pid 1) forked a DataLoader worker (10) from its main thread and a fork
+    server (11) from another thread; the server forked two workers (20, 21), one of which
+    forked a helper (30). Ticks are 1/100 s here (SC_CLK_TCK)."""
+    _proc(tmp_path, 1, 900, 100, {1: [10], 2: [11], 3: []})
+    _proc(tmp_path, 10, 150, 50, {10: []})
+    _proc(tmp_path, 11, 1, 0, {11: [20, 21, 22]})  # 22 exited before its stat was read
+    _proc(tmp_path, 20, 300, 0, {20: []})
+    _proc(tmp_path, 21, 0, 100, {21: [30]})
+    _proc(tmp_path, 30, 50, 0, {30: []})
+    ticks = pg._ticks_per_s
+    root = str(tmp_path)
+    assert pg.read_children("1", root) == pytest.approx((200 + 1 + 300 + 100 + 50) / ticks)
+    assert pg.read_children("1", root, depth=2) == pytest.approx((200 + 1 + 300 + 100) / ticks)
+    assert pg.read_children("1", root, depth=1) == pytest.approx((200 + 1) / ticks)
+    assert pg.read_children("10", root) == 0.0  # no children: nothing, but readable
+    assert pg.read_children("99", root) == -1.0  # no such process
+    (tmp_path / "40" / "task" / "40").mkdir(parents=True)  # a kernel without the files
+    assert pg.read_children("40", root) == -1.0
+
+
+def test_the_children_of_this_process_are_read() -> None:
+    """The real reader sees a child spinning (its CPU time rises) and stops counting it
+    once it has exited."""
+    before = pg.read_children()
+    assert before >= 0.0
+    spin = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.process_time()\n"
+            "while time.process_time() - t < 0.5: pass\ninput()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30.0
+        while pg.read_children() < before + 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pg.read_children() >= before + 0.5
+    finally:
+        spin.communicate(b"\n", timeout=30)
+    assert pg.read_children() < before + 0.5
 
 
 def test_no_gloo_thread_is_no_data_plane_to_judge(tmp_path: Any) -> None:

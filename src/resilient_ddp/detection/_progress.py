@@ -23,6 +23,11 @@ its heartbeat. A peer waiting for this rank judges from that:
   being written, a shard being read.
 * **Waiting on the disk**: the main thread is in uninterruptible sleep (state ``D``), as
   a write to a slow or throttled disk is.
+* **Child processes**: the CPU time of this process's live descendants (its DataLoader
+  workers, a compile's worker pool, a tool it waits on), read through
+  ``/proc/<pid>/task/<tid>/children``, counted like the main thread's (:data:`CPU_SHARE`
+  of one core). A main thread that waits for its loader's first batch while the workers
+  start (each a new interpreter that imports torch) or compute a heavy batch is working.
 * **Marks**: :func:`resilient_ddp.progress` calls, for work none of the above can see.
 * **CUDA**: a tracked CUDA event completed since the last sample (work queued by the main
   thread advanced).
@@ -57,6 +62,9 @@ RUNNABLE_SHARE = 0.5
 STACK_MEMORY = 16
 #: Frames of the main thread that make a fingerprint (innermost first).
 STACK_DEPTH = 12
+#: Generations of descendants whose CPU time counts (a DataLoader's workers under a fork
+#: server are the rank's grandchildren).
+CHILD_DEPTH = 3
 
 _marks = [0]  # rd.progress() calls in this process
 _ticks_per_s = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
@@ -89,6 +97,8 @@ class Sample:
             library's bounded waits: elastic recovery, an admission, a state transfer).
         waited_s: How long it waited for a CPU while runnable (run-queue wait, seconds),
             or -1.0 where unreadable.
+        children_s: CPU time of the process's live descendants (seconds,
+            :func:`read_children`), or -1.0 where unreadable.
     """
 
     cpu_s: float
@@ -100,6 +110,7 @@ class Sample:
     where: str
     inside: bool = False
     waited_s: float = -1.0
+    children_s: float = -1.0
 
 
 def _task_path(tid: int, name: str) -> str:
@@ -144,6 +155,52 @@ def read_io(tid: int, path: str | None = None) -> int:
             return total
     except (OSError, ValueError):
         return -1
+
+
+def read_children(pid: str = "self", proc: str = "/proc", depth: int = CHILD_DEPTH) -> float:
+    """The CPU time (seconds) of the live descendants of process ``pid``, up to ``depth``
+    generations: its DataLoader workers, a fork server and the workers it forked, a
+    subprocess it waits on. A descendant that exited no longer counts (the sum may fall).
+
+    Reads ``<proc>/<pid>/task/<tid>/children`` for each thread (a child belongs to the
+    thread that forked it) and each child's ``stat``: a few small reads per thread; never
+    blocks.
+
+    Args:
+        pid: The process (``"self"``; a test passes a fake tree's pid).
+        proc: Where ``/proc`` is (a test passes a fake one).
+        depth: Generations to count.
+
+    Returns:
+        The seconds, or -1.0 where ``/proc`` cannot tell (a kernel without the
+        ``children`` files).
+    """
+    total = 0.0
+    readable = False
+
+    def walk(parent: str, left: int) -> None:
+        nonlocal total, readable
+        try:
+            tids = os.listdir(f"{proc}/{parent}/task")
+        except OSError:
+            return  # it exited
+        for tid in tids:
+            try:
+                with open(f"{proc}/{parent}/task/{tid}/children", "rb") as f:
+                    kids = f.read().split()
+            except OSError:
+                continue  # the thread ended, or no such file on this kernel
+            readable = True
+            for kid in kids:
+                child = kid.decode()
+                _, cpu = read_stat(0, f"{proc}/{child}/stat")
+                if cpu >= 0:
+                    total += cpu
+                if left > 1:
+                    walk(child, left - 1)
+
+    walk(pid, depth)
+    return total if readable else -1.0
 
 
 #: Name prefixes of the threads that move a gloo collective's data: gloo's transport
@@ -294,6 +351,10 @@ class Tracker:
             moved.append("stack")
         if s.io >= 0 and prev.io >= 0 and s.io != prev.io:
             moved.append("io")
+        if min(s.children_s, prev.children_s) >= 0 and (
+            s.children_s - prev.children_s >= CPU_SHARE * elapsed
+        ):
+            moved.append("children")
         if s.state == "D":
             moved.append("disk")
         if s.marks != prev.marks:
@@ -425,6 +486,7 @@ def sampler(
         return Sample(
             cpu_s=cpu,
             waited_s=read_waited(main_tid),
+            children_s=read_children(),
             state=state,
             stack=fingerprint(frame),
             io=read_io(main_tid),
@@ -443,6 +505,7 @@ SIGNAL_TEXT = {
     "runnable": "running, though short of CPU (an overloaded host)",
     "stack": "its Python stack moving",
     "io": "its I/O moving",
+    "children": "its child processes working (DataLoader workers?)",
     "disk": "waiting on the disk",
     "marks": "calling rd.progress()",
     "gpu": "its CUDA work completing",
