@@ -100,25 +100,29 @@ def _starved(seconds: float) -> None:
 
 
 class SlowItems(torch.utils.data.Dataset[torch.Tensor]):
-    """Items that take ``seconds`` of CPU each to make (a heavy decode or augmentation)."""
+    """Items that take ``seconds`` to make (a heavy decode or augmentation); ``starved``:
+    made on the CPU of :func:`hogs`, where the worker gets about 14% of a core."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, starved: bool = False) -> None:
         self.seconds = seconds
+        self.starved = starved
 
     def __len__(self) -> int:
         return 1
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        if self.starved:
+            os.sched_setaffinity(0, {starved_cpu()})
         _busy_cpu(self.seconds)
         return torch.ones(1)
 
 
-def _slow_loader(seconds: float) -> None:
+def _slow_loader(seconds: float, starved: bool = False) -> None:
     """Waits for the first batch of a DataLoader whose one worker (started by the rank's
     own start method: under the test harness, a fork server's child, the rank's
     grandchild) takes ``seconds`` of CPU to make it. The main thread only polls the
     loader's queue meanwhile: its own signals do not move."""
-    loader = torch.utils.data.DataLoader(SlowItems(seconds), num_workers=1)
+    loader = torch.utils.data.DataLoader(SlowItems(seconds, starved), num_workers=1)
     assert next(iter(loader)).sum().item() == 1.0
 
 
@@ -154,6 +158,7 @@ _KINDS: dict[str, Callable[[float, str], None]] = {
     "marks": lambda s, _: _marked(s),
     "starved": lambda s, _: _starved(s),
     "workers": lambda s, _: _slow_loader(s),
+    "workers_starved": lambda s, _: _slow_loader(s, starved=True),
     "deadlock": lambda s, _: _deadlock(),
     "loader": lambda s, _: _dead_loader(),
     "sleep": lambda s, _: _sleep_loop(),

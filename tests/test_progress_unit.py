@@ -84,6 +84,29 @@ def _seq(*changes: dict[str, object]) -> list[pg.Sample]:
             0.0,
             ("children",),
         ),
+        # Workers on an overloaded host: 10% of a core each second, waiting for one the
+        # rest of the time.
+        (
+            "children_starved",
+            _seq(
+                {"children_s": 0.0, "children_waited_s": 0.0},
+                {"children_s": 0.1, "children_waited_s": 0.9},
+                {"children_s": 0.2, "children_waited_s": 1.8},
+            ),
+            0.0,
+            ("children",),
+        ),
+        # Children that poll on that host: a little CPU, a little wait: not work.
+        (
+            "children_poll",
+            _seq(
+                {"children_s": 0.0, "children_waited_s": 0.0},
+                {"children_s": 0.02, "children_waited_s": 0.2},
+                {"children_s": 0.04, "children_waited_s": 0.4},
+            ),
+            2.0,
+            (),
+        ),
         # A child that only polls, and a child that exited (the sum fell): not work.
         (
             "children_idle",
@@ -291,11 +314,13 @@ def test_the_data_plane_counts_gloo_threads_only(tmp_path: Any) -> None:
 
 
 def _proc(root: Any, pid: int, utime: int, stime: int, kids: dict[int, list[int]]) -> None:
-    """A fake ``/proc/<pid>``: its ``stat`` (CPU ticks) and, per thread, its children."""
+    """A fake ``/proc/<pid>``: its ``stat`` (CPU ticks), its ``schedstat`` (a run-queue
+    wait of ``utime`` ms) and, per thread, its children."""
     d = root / str(pid)
     (d / "task").mkdir(parents=True)
     fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5
     (d / "stat").write_text(f"{pid} (python) " + " ".join(fields) + "\n")
+    (d / "schedstat").write_text(f"123 {utime * 10**6} 7\n")
     for tid, children in kids.items():
         (d / "task" / str(tid)).mkdir()
         (d / "task" / str(tid) / "children").write_text(" ".join(map(str, children)) + " ")
@@ -313,19 +338,29 @@ def test_the_children_reader_sums_live_descendants_to_its_depth(tmp_path: Any) -
     _proc(tmp_path, 30, 50, 0, {30: []})
     ticks = pg._ticks_per_s
     root = str(tmp_path)
-    assert pg.read_children("1", root) == pytest.approx((200 + 1 + 300 + 100 + 50) / ticks)
-    assert pg.read_children("1", root, depth=2) == pytest.approx((200 + 1 + 300 + 100) / ticks)
-    assert pg.read_children("1", root, depth=1) == pytest.approx((200 + 1) / ticks)
-    assert pg.read_children("10", root) == 0.0  # no children: nothing, but readable
-    assert pg.read_children("99", root) == -1.0  # no such process
+
+    def cpu_and_wait(ticks_sum: int, utime_ms: int) -> Any:
+        return pytest.approx((ticks_sum / ticks, utime_ms / 1000))
+
+    assert pg.read_children("1", root) == cpu_and_wait(200 + 1 + 300 + 100 + 50, 501)
+    assert pg.read_children("1", root, depth=2) == cpu_and_wait(200 + 1 + 300 + 100, 451)
+    assert pg.read_children("1", root, depth=1) == cpu_and_wait(200 + 1, 151)
+    assert pg.read_children("10", root) == (0.0, 0.0)  # no children: nothing, but readable
+    assert pg.read_children("99", root) == (-1.0, -1.0)  # no such process
     (tmp_path / "40" / "task" / "40").mkdir(parents=True)  # a kernel without the files
-    assert pg.read_children("40", root) == -1.0
+    assert pg.read_children("40", root) == (-1.0, -1.0)
+    (tmp_path / "20" / "schedstat").unlink()  # no scheduler statistics: no wait to judge
+    for child in ("21", "30"):
+        (tmp_path / child / "schedstat").unlink()
+    (tmp_path / "10" / "schedstat").unlink()
+    (tmp_path / "11" / "schedstat").unlink()
+    assert pg.read_children("1", root)[1] == -1.0
 
 
 def test_the_children_of_this_process_are_read() -> None:
     """The real reader sees a child spinning (its CPU time rises) and stops counting it
     once it has exited."""
-    before = pg.read_children()
+    before = pg.read_children()[0]
     assert before >= 0.0
     spin = subprocess.Popen(
         [
@@ -338,12 +373,12 @@ def test_the_children_of_this_process_are_read() -> None:
     )
     try:
         deadline = time.monotonic() + 30.0
-        while pg.read_children() < before + 0.5 and time.monotonic() < deadline:
+        while pg.read_children()[0] < before + 0.5 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert pg.read_children() >= before + 0.5
+        assert pg.read_children()[0] >= before + 0.5
     finally:
         spin.communicate(b"\n", timeout=30)
-    assert pg.read_children() < before + 0.5
+    assert pg.read_children()[0] < before + 0.5
 
 
 def test_no_gloo_thread_is_no_data_plane_to_judge(tmp_path: Any) -> None:

@@ -60,6 +60,8 @@ TABLE: dict[Callable[[ResilienceConfig], float], tuple[float, float, float]] = {
     tm.late_proposer_grace: (1.5, 0.9, 1),
     tm.shrink_decider_wait: (1.5 + 2, 0.9 + 1.4, 1 + 5),
     tm.rendezvous_form_timeout: (15, 2, 2),
+    tm.inference_thread_join_wait: (61, 3.4, 121),
+    tm.inference_finish_poll: (0.1, 0.1, 0.1),
 }
 
 
@@ -162,16 +164,6 @@ ALLOWED = {
         "the stuck window's base is a public property of the config, beside "
         "effective_op_budget, and inference.py reads it"
     ),
-    # inference.py is being changed by another branch: move these two to the table after
-    # it merges (the collector's join wait, and the poll interval of the finish wait).
-    (
-        "inference/inference.py",
-        "_Pool.run",
-    ): "store_timeout_s + 1.0: the collector thread's join wait",
-    (
-        "inference/inference.py",
-        "_await_peers",
-    ): "min(0.1, heartbeat_interval): the finish poll's interval",
 }
 
 

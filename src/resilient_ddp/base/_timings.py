@@ -188,6 +188,22 @@ def data_plane_recheck(cfg: ResilienceConfig) -> float:
     return _interval(cfg)
 
 
+# -- distributed inference -------------------------------------------------------------------
+def inference_thread_join_wait(cfg: ResilienceConfig) -> float:
+    """How long the end of a ``distributed_inference`` call waits for each of its helper
+    threads (the progress beat, the result collector) to end (seconds):
+    :func:`store_lost_limit` plus one: a thread in a store call when told to stop returns
+    within the store's own bound."""
+    return store_lost_limit(cfg) + 1.0
+
+
+def inference_finish_poll(cfg: ResilienceConfig) -> float:
+    """How often a rank that finished its share of a ``distributed_inference`` call looks
+    whether the others have (seconds): ``min(0.1, heartbeat_interval)``; a peer's count
+    comes with its heartbeat, and a finish is seen within a tenth of a second."""
+    return min(0.1, _interval(cfg))
+
+
 # -- elastic recovery (on_failure="shrink") ---------------------------------------------------
 def shrink_recovery_budget(cfg: ResilienceConfig) -> float:
     """How long one recovery (a shrink) may take before the survivors give up (seconds):

@@ -25,9 +25,11 @@ its heartbeat. A peer waiting for this rank judges from that:
   a write to a slow or throttled disk is.
 * **Child processes**: the CPU time of this process's live descendants (its DataLoader
   workers, a compile's worker pool, a tool it waits on), read through
-  ``/proc/<pid>/task/<tid>/children``, counted like the main thread's (:data:`CPU_SHARE`
-  of one core). A main thread that waits for its loader's first batch while the workers
-  start (each a new interpreter that imports torch) or compute a heavy batch is working.
+  ``/proc/<pid>/task/<tid>/children``, counted like the main thread's: :data:`CPU_SHARE`
+  of one core, or on an overloaded host their CPU time and run-queue wait together
+  :data:`RUNNABLE_SHARE` of the time (workers short of CPU). A main thread that waits
+  for its loader's first batch while the workers start (each a new interpreter that
+  imports torch) or compute a heavy batch is working.
 * **Marks**: :func:`resilient_ddp.progress` calls, for work none of the above can see.
 * **CUDA**: a tracked CUDA event completed since the last sample (work queued by the main
   thread advanced).
@@ -99,6 +101,7 @@ class Sample:
             or -1.0 where unreadable.
         children_s: CPU time of the process's live descendants (seconds,
             :func:`read_children`), or -1.0 where unreadable.
+        children_waited_s: Their run-queue wait (seconds), or -1.0 where unreadable.
     """
 
     cpu_s: float
@@ -111,6 +114,7 @@ class Sample:
     inside: bool = False
     waited_s: float = -1.0
     children_s: float = -1.0
+    children_waited_s: float = -1.0
 
 
 def _task_path(tid: int, name: str) -> str:
@@ -157,14 +161,17 @@ def read_io(tid: int, path: str | None = None) -> int:
         return -1
 
 
-def read_children(pid: str = "self", proc: str = "/proc", depth: int = CHILD_DEPTH) -> float:
-    """The CPU time (seconds) of the live descendants of process ``pid``, up to ``depth``
-    generations: its DataLoader workers, a fork server and the workers it forked, a
-    subprocess it waits on. A descendant that exited no longer counts (the sum may fall).
+def read_children(
+    pid: str = "self", proc: str = "/proc", depth: int = CHILD_DEPTH
+) -> tuple[float, float]:
+    """The CPU time and the run-queue wait (seconds) of the live descendants of process
+    ``pid``, up to ``depth`` generations: its DataLoader workers, a fork server and the
+    workers it forked, a subprocess it waits on. A descendant that exited no longer counts
+    (the sums may fall).
 
     Reads ``<proc>/<pid>/task/<tid>/children`` for each thread (a child belongs to the
-    thread that forked it) and each child's ``stat``: a few small reads per thread; never
-    blocks.
+    thread that forked it), and each child's ``stat`` and ``schedstat`` (its main thread's
+    wait for a CPU): a few small reads per thread; never blocks.
 
     Args:
         pid: The process (``"self"``; a test passes a fake tree's pid).
@@ -172,14 +179,14 @@ def read_children(pid: str = "self", proc: str = "/proc", depth: int = CHILD_DEP
         depth: Generations to count.
 
     Returns:
-        The seconds, or -1.0 where ``/proc`` cannot tell (a kernel without the
-        ``children`` files).
+        ``(cpu_s, waited_s)``; -1.0 for either where ``/proc`` cannot tell (a kernel
+        without the ``children`` files, or without scheduler statistics).
     """
-    total = 0.0
-    readable = False
+    total = waited = 0.0
+    readable = schedstat = False
 
     def walk(parent: str, left: int) -> None:
-        nonlocal total, readable
+        nonlocal total, waited, readable, schedstat
         try:
             tids = os.listdir(f"{proc}/{parent}/task")
         except OSError:
@@ -196,11 +203,16 @@ def read_children(pid: str = "self", proc: str = "/proc", depth: int = CHILD_DEP
                 _, cpu = read_stat(0, f"{proc}/{child}/stat")
                 if cpu >= 0:
                     total += cpu
+                wait = read_waited(0, f"{proc}/{child}/schedstat")
+                if wait >= 0:
+                    waited, schedstat = waited + wait, True
                 if left > 1:
                     walk(child, left - 1)
 
     walk(pid, depth)
-    return total if readable else -1.0
+    if not readable:
+        return -1.0, -1.0
+    return total, waited if schedstat or total == 0.0 else -1.0
 
 
 #: Name prefixes of the threads that move a gloo collective's data: gloo's transport
@@ -351,9 +363,7 @@ class Tracker:
             moved.append("stack")
         if s.io >= 0 and prev.io >= 0 and s.io != prev.io:
             moved.append("io")
-        if min(s.children_s, prev.children_s) >= 0 and (
-            s.children_s - prev.children_s >= CPU_SHARE * elapsed
-        ):
+        if _children_signal(prev, s, elapsed):
             moved.append("children")
         if s.state == "D":
             moved.append("disk")
@@ -393,6 +403,21 @@ def _cpu_signal(prev: Sample, s: Sample, elapsed: float) -> str | None:
     if used + (s.waited_s - prev.waited_s) >= RUNNABLE_SHARE * elapsed:
         return "runnable"
     return None
+
+
+def _children_signal(prev: Sample, s: Sample, elapsed: float) -> bool:
+    """Whether the process's descendants worked from ``prev`` to ``s``: their CPU time
+    rose by :data:`CPU_SHARE` of the ``elapsed`` seconds, or (an overloaded host, where
+    they wait for a CPU most of the time) their CPU time and run-queue wait together by
+    :data:`RUNNABLE_SHARE` of them. A child that polls does neither."""
+    if min(s.children_s, prev.children_s) < 0:
+        return False
+    used = s.children_s - prev.children_s
+    if used >= CPU_SHARE * elapsed:
+        return True
+    if min(s.children_waited_s, prev.children_waited_s) < 0:
+        return False
+    return used + (s.children_waited_s - prev.children_waited_s) >= RUNNABLE_SHARE * elapsed
 
 
 class WaitHistory:
@@ -483,10 +508,12 @@ def sampler(
     def read() -> Sample:
         frame = thread_frame(main_ident)
         state, cpu = read_stat(main_tid)
+        children = read_children()
         return Sample(
             cpu_s=cpu,
             waited_s=read_waited(main_tid),
-            children_s=read_children(),
+            children_s=children[0],
+            children_waited_s=children[1],
             state=state,
             stack=fingerprint(frame),
             io=read_io(main_tid),

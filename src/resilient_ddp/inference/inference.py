@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from resilient_ddp.base import _timings
 from resilient_ddp.config import Duration
 from resilient_ddp.control import _control as ctl
 from resilient_ddp.control import _events
@@ -564,12 +565,12 @@ class _Pool:
                 self._announce(jobs, call, closed=True)
             if self.beat is not None:
                 self.beat.stop.set()
-                self.beat.join(timeout=rt.store_timeout_s + 1.0)
+                self.beat.join(timeout=_timings.inference_thread_join_wait(rt.config))
             if self.guest is not None:
                 self.guest.served = True
             if collector is not None:
                 collector.stop.set()
-                collector.join(timeout=rt.store_timeout_s + 1.0)
+                collector.join(timeout=_timings.inference_thread_join_wait(rt.config))
             rt.end_inference_progress()
             self._dl = None  # its workers end with it
         # Left as they were on an error: the failure report says where this rank was.
@@ -1444,7 +1445,7 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
         call, world = rt.inference_calls, rt.world_size
         finished = rt.control.finish_inference(call)
         watcher = finished == 1
-        interval = min(0.1, rt.config.heartbeat_interval.total_seconds())
+        interval = _timings.inference_finish_poll(rt.config)
         seen: dict[int, tuple[int, float]] = {}
         pending = [r for r in range(world) if r != rt.rank]
         while finished < world:
