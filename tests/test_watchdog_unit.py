@@ -65,7 +65,7 @@ def _runtime_for(store: dist.Store) -> tuple[Runtime, Watchdog, ctl.ControlPlane
     rt.control.init_counters()
     rt.control.publish_state(0, rt.snapshot(0))
     other = ctl.ControlPlane(store, 0)
-    other.publish_state(1, {"rank": 1, "beat": 1, "status": "running", "t": time.time()})
+    other.publish_state(1, ctl.HeartbeatState(rank=1, beat=1, status="running", t=time.time()))
     wd = Watchdog(rt)
     rt.watchdog = wd
     assert wd.watched == [1]
@@ -344,9 +344,11 @@ def test_malformed_states_are_skipped_and_a_silent_rank_is_still_found(
     other.store.set("state/1", "garbage")  # not JSON: the control plane leaves it out
     wd.tick()
     before = sum(ctl.rejected_records().values())
-    other.publish_state(1, {"rank": 1, "beat": "many", "status": "running"})  # type: ignore[typeddict-item]
+    bad = ctl.HeartbeatState(rank=1, beat="many", status="running")  # type: ignore[arg-type]
+    other.publish_state(1, bad)
     wd.tick()
-    other.publish_state(1, {"rank": 1, "beat": 1, "status": ["running"]})  # type: ignore[typeddict-item]
+    bad = ctl.HeartbeatState(rank=1, beat=1, status=["running"])  # type: ignore[arg-type]
+    other.publish_state(1, bad)
     wd.tick()
     # The last two were left out as the control plane read them, and counted.
     assert sum(ctl.rejected_records().values()) - before == 2
