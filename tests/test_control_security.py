@@ -10,6 +10,7 @@ The multi-process proof with a hostile client is tests/test_hostile_default.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -427,3 +428,33 @@ def test_a_heartbeat_is_read_only_with_its_fields_types(
     else:
         # Its own fields, as sent; "extra" dropped (HeartbeatState has no such field).
         assert state == ctl.HeartbeatState(**{**_BEAT, **change})
+
+
+def test_a_decoded_heartbeat_is_frozen_and_its_record_reads_back_equal() -> None:
+    sent = {
+        **_BEAT,
+        "op": "all_reduce",
+        "seq": 4,
+        "section_left": None,
+        "progress": [2, 5],
+        "moving": ["cpu", "stack"],
+        "stack": "f() at x.py:1",
+    }
+    state = ctl.decode_state(sent, "rd/job/g0/state/1")
+    assert state is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.beat = 8  # type: ignore[misc]
+    assert (state.beat, state.progress, state.moving) == (7, (2, 5), ("cpu", "stack"))
+    # Not said: None, or what the readers take for a missing field.
+    assert (state.host, state.diag, state.idle, state.compute_s, state.raised) == (
+        None,
+        None,
+        None,
+        0.0,
+        False,
+    )
+    # Its JSON form: what was sent, with the defaults that are not None.
+    assert state.record() == {**sent, "compute_s": 0.0, "inside": False, "raised": False}
+    assert ctl.decode_state(state.record(), "rd/job/g0/state/1") == state
+    empty = ctl.HeartbeatState()
+    assert ctl.decode_state(empty.record(), "rd/job/g0/state/1") == empty
