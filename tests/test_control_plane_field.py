@@ -256,7 +256,7 @@ def test_forgetting_a_generation_deletes_every_key_it_wrote() -> None:
     cp.init_counters()
     for r in range(4):
         cp.publish_info(r, {"rank": r})
-        cp.publish_state(r, {"beat": 1})
+        cp.publish_state(r, ctl.HeartbeatState(beat=1))
         cp.publish_signature(1, r, {"op": "x"})
         jobs.post_ready(3, r)
         jobs.post_has_state(3, r)

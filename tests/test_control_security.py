@@ -10,6 +10,7 @@ The multi-process proof with a hostile client is tests/test_hostile_default.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -17,6 +18,7 @@ import zlib
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -69,7 +71,7 @@ def test_without_a_secret_the_group_agrees_on_a_key_and_refuses_joins(
     assert len(root.prefix) > len(f"{ctl.job_prefix(root.job_id)}/") + 16
     cp = ctl.ControlPlane(root, 0)
     cp.init_counters()
-    cp.publish_state(0, {"beat": 1})
+    cp.publish_state(0, ctl.HeartbeatState(beat=1))
     base = one_rank_group
     assert not base.check([f"{ctl.job_prefix(root.job_id)}/g0/ev/n"])
     raw = base.get(f"{root.prefix}/g0/state/0").decode()
@@ -94,7 +96,7 @@ def test_an_outsider_writing_under_the_visible_names_changes_nothing(no_secret: 
     root = ctl.root_prefix(base, "job", SECRET)
     cp = ctl.ControlPlane(root, 0)
     cp.init_counters()
-    cp.publish_state(2, {"beat": 1})
+    cp.publish_state(2, ctl.HeartbeatState(beat=1))
     keyless = ctl.job_prefix("job")  # the namespace without the key
     base.set(f"{keyless}/g0/ev/n", "garbage")
     base.set(f"{keyless}/g0/ev/log", json.dumps(_event(1)) + "\n")
@@ -185,14 +187,14 @@ def test_an_old_heartbeat_and_a_copied_event_line_are_ignored() -> None:
     base = dist.HashStore()
     root = ctl.root_prefix(base, "job", SECRET)
     rank1, reader = ctl.ControlPlane(root, 0), ctl.ControlPlane(root, 0)
-    rank1.publish_state(1, {"beat": 5, "status": "running"})
+    rank1.publish_state(1, ctl.HeartbeatState(beat=5, status="running"))
     old = base.get(f"{root.prefix}/g0/state/1")
-    rank1.publish_state(1, {"beat": 6, "status": "running"})
-    assert reader.read_states([1])[1]["beat"] == 6
+    rank1.publish_state(1, ctl.HeartbeatState(beat=6, status="running"))
+    assert reader.read_states([1])[1].beat == 6
     base.set(f"{root.prefix}/g0/state/1", old)
     assert reader.read_states([1]) == {}  # left out: its silence goes on being timed
-    rank1.publish_state(1, {"beat": 7, "status": "running"})
-    assert reader.read_states([1])[1]["beat"] == 7
+    rank1.publish_state(1, ctl.HeartbeatState(beat=7, status="running"))
+    assert reader.read_states([1])[1].beat == 7
     # A sealed event line appended again is a replay.
     rank1.post_event(_event(1))
     line = base.get(f"{root.prefix}/g0/ev/log").decode().strip()
@@ -367,10 +369,10 @@ def test_a_ranks_last_state_is_never_taken_for_a_replay() -> None:
     """A rank that leaves or fails publishes its last state with beat -1."""
     root = ctl.root_prefix(dist.HashStore(), "job", SECRET)
     rank1, reader = ctl.ControlPlane(root, 0), ctl.ControlPlane(root, 0)
-    rank1.publish_state(1, {"beat": 9, "status": "running"})
-    assert reader.read_states([1])[1]["beat"] == 9
-    rank1.publish_state(1, {"beat": -1, "status": "left"})
-    assert reader.read_states([1])[1]["status"] == "left"
+    rank1.publish_state(1, ctl.HeartbeatState(beat=9, status="running"))
+    assert reader.read_states([1])[1].beat == 9
+    rank1.publish_state(1, ctl.HeartbeatState(beat=-1, status="left"))
+    assert reader.read_states([1])[1].status == "left"
 
 
 def test_two_threads_reading_heartbeats_never_see_a_replay() -> None:
@@ -379,20 +381,27 @@ def test_two_threads_reading_heartbeats_never_see_a_replay() -> None:
     (a live rank's heartbeat was reported replayed, with no attacker, after a kill)."""
     root = ctl.root_prefix(dist.HashStore(), "job", SECRET)
     rank1, reader = ctl.ControlPlane(root, 0), ctl.ControlPlane(root, 0)
-    rank1.publish_state(1, {"beat": 5, "status": "running"})
+    rank1.publish_state(1, ctl.HeartbeatState(beat=5, status="running"))
     slow_before = reader._beats_before()  # thread A sends its read...
     slow_raw = reader.store.multi_get(["state/1"])  # ...and gets beat 5
-    rank1.publish_state(1, {"beat": 6, "status": "running"})
-    assert reader.read_states([1])[1]["beat"] == 6  # thread B: sent later, parsed first
+    rank1.publish_state(1, ctl.HeartbeatState(beat=6, status="running"))
+    assert reader.read_states([1])[1].beat == 6  # thread B: sent later, parsed first
     rejected = dict(ctl.rejected_records())
     got = reader._parse(["state/1"], [1], slow_raw, slow_before)  # thread A parses now
     assert got[1]["beat"] == 5
     assert dict(ctl.rejected_records()) == rejected  # nothing counted as a replay
-    assert reader.read_states([1])[1]["beat"] == 6  # and the newest stands
+    assert reader.read_states([1])[1].beat == 6  # and the newest stands
 
 
 # -- heartbeats, decoded once at the store boundary ------------------------------------------
-_BEAT = {"rank": 1, "beat": 7, "status": "running", "step": 3, "t": 1.5, "in_op": False}
+_BEAT: dict[str, Any] = {
+    "rank": 1,
+    "beat": 7,
+    "status": "running",
+    "step": 3,
+    "t": 1.5,
+    "in_op": False,
+}
 
 
 @pytest.mark.parametrize(
@@ -409,7 +418,7 @@ _BEAT = {"rank": 1, "beat": 7, "status": "running", "step": 3, "t": 1.5, "in_op"
     ],
 )
 def test_a_heartbeat_is_read_only_with_its_fields_types(
-    change: dict[str, object], problem: str
+    change: dict[str, Any], problem: str
 ) -> None:
     record = {**_BEAT, **change, "extra": {"not": "a heartbeat field"}}
     assert ctl.state_problem(record) == problem
@@ -417,4 +426,35 @@ def test_a_heartbeat_is_read_only_with_its_fields_types(
     if problem:
         assert state is None
     else:
-        assert state == {**_BEAT, **change}  # its own fields, as sent; "extra" dropped
+        # Its own fields, as sent; "extra" dropped (HeartbeatState has no such field).
+        assert state == ctl.HeartbeatState(**{**_BEAT, **change})
+
+
+def test_a_decoded_heartbeat_is_frozen_and_its_record_reads_back_equal() -> None:
+    sent = {
+        **_BEAT,
+        "op": "all_reduce",
+        "seq": 4,
+        "section_left": None,
+        "progress": [2, 5],
+        "moving": ["cpu", "stack"],
+        "stack": "f() at x.py:1",
+    }
+    state = ctl.decode_state(sent, "rd/job/g0/state/1")
+    assert state is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.beat = 8  # type: ignore[misc]
+    assert (state.beat, state.progress, state.moving) == (7, (2, 5), ("cpu", "stack"))
+    # Not said: None, or what the readers take for a missing field.
+    assert (state.host, state.diag, state.idle, state.compute_s, state.raised) == (
+        None,
+        None,
+        None,
+        0.0,
+        False,
+    )
+    # Its JSON form: what was sent, with the defaults that are not None.
+    assert state.record() == {**sent, "compute_s": 0.0, "inside": False, "raised": False}
+    assert ctl.decode_state(state.record(), "rd/job/g0/state/1") == state
+    empty = ctl.HeartbeatState()
+    assert ctl.decode_state(empty.record(), "rd/job/g0/state/1") == empty

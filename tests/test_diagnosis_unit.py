@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from resilient_ddp.control._control import HeartbeatState
 from resilient_ddp.detection import _diagnosis
 from resilient_ddp.detection._diagnosis import Blame, Verdict, majority, majority_rule, root_causes
 from resilient_ddp.detection._diagnosis import what_blocks as _what_blocks
@@ -22,7 +23,7 @@ NAME, SEQ, NOW, RECOVERY = "all_reduce", 5, 1000.0, "recovery"
 
 
 def what_blocks(
-    state: dict[str, Any], *, answered: bool = True, stopped: bool = False
+    state: HeartbeatState, *, answered: bool = True, stopped: bool = False
 ) -> Verdict | None:
     return _what_blocks(
         state,
@@ -36,10 +37,10 @@ def what_blocks(
 
 
 # (id, state, answered, stopped, blame, text)
-VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
+VERDICTS: list[tuple[str, HeartbeatState, bool, bool, Blame, str]] = [
     (
         "diverged",
-        {"seq": 5, "op": "broadcast", "in_op": True, "status": "running"},
+        HeartbeatState(seq=5, op="broadcast", in_op=True, status="running"),
         True,
         False,
         Blame.DIVERGED,
@@ -47,7 +48,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "diverged-then-left",  # judged before its departure
-        {"seq": 5, "op": "broadcast", "status": "left", "raised": True},
+        HeartbeatState(seq=5, op="broadcast", status="left", raised=True),
         True,
         False,
         Blame.DIVERGED,
@@ -55,25 +56,25 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "diverged-unanswered",
-        {"seq": 5, "op": "barrier", "t": NOW - 30},
+        HeartbeatState(seq=5, op="barrier", t=NOW - 30),
         False,
         True,
         Blame.DIVERGED,
         "issued a different collective: barrier#5",
     ),
-    ("failed", {"seq": 3, "op": "x", "status": "failed"}, True, False, Blame.FAILED, "failed"),
+    ("failed", HeartbeatState(seq=3, op="x", status="failed"), True, False, Blame.FAILED, "failed"),
     (
         "failed-unanswered",  # its status says enough: no need to have answered
-        {"seq": 3, "status": "failed"},
+        HeartbeatState(seq=3, status="failed"),
         False,
         True,
         Blame.FAILED,
         "failed",
     ),
-    ("left", {"seq": 4, "status": "left"}, True, False, Blame.LEFT, "left the group"),
+    ("left", HeartbeatState(seq=4, status="left"), True, False, Blame.LEFT, "left the group"),
     (
         "failed-after-own-error",
-        {"seq": 4, "status": "failed", "raised": True},
+        HeartbeatState(seq=4, status="failed", raised=True),
         True,
         False,
         Blame.FAILED_AFTER_OWN_ERROR,
@@ -81,7 +82,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "left-after-own-error",
-        {"seq": 4, "status": "left", "raised": True},
+        HeartbeatState(seq=4, status="left", raised=True),
         True,
         False,
         Blame.LEFT_AFTER_OWN_ERROR,
@@ -89,7 +90,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "stopped",
-        {"seq": 4, "op": "all_reduce", "t": NOW - 1},
+        HeartbeatState(seq=4, op="all_reduce", t=NOW - 1),
         False,
         True,
         Blame.STOPPED,
@@ -97,7 +98,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "not-responding",
-        {"seq": 4, "op": "all_reduce", "t": NOW - 16.04},
+        HeartbeatState(seq=4, op="all_reduce", t=NOW - 16.04),
         False,
         False,
         Blame.NOT_RESPONDING,
@@ -105,7 +106,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "not-responding-no-state",
-        {},
+        HeartbeatState(),
         False,
         False,
         Blame.NOT_RESPONDING,
@@ -113,7 +114,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "gave-up-raised",
-        {"seq": 5, "op": "all_reduce", "in_op": False, "raised": True},
+        HeartbeatState(seq=5, op="all_reduce", in_op=False, raised=True),
         True,
         False,
         Blame.GAVE_UP_AFTER_OWN_ERROR,
@@ -121,7 +122,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "gave-up-recovering",
-        {"seq": 5, "op": "all_reduce", "in_op": False, "phase": "recovery"},
+        HeartbeatState(seq=5, op="all_reduce", in_op=False, phase="recovery"),
         True,
         False,
         Blame.GAVE_UP_AFTER_OWN_ERROR,
@@ -129,7 +130,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "never-arrived-idle",
-        {"seq": 4, "op": "all_reduce", "in_op": False, "phase": "data"},
+        HeartbeatState(seq=4, op="all_reduce", in_op=False, phase="data"),
         True,
         False,
         Blame.NEVER_ARRIVED_IDLE,
@@ -137,7 +138,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "never-arrived-same-seq-not-in-op",  # published seq 5 but left the op (no error)
-        {"seq": 5, "op": "all_reduce", "in_op": False},
+        HeartbeatState(seq=5, op="all_reduce", in_op=False),
         True,
         False,
         Blame.NEVER_ARRIVED_IDLE,
@@ -145,7 +146,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "never-arrived-no-seq",
-        {"status": "running"},
+        HeartbeatState(status="running"),
         True,
         False,
         Blame.NEVER_ARRIVED_IDLE,
@@ -153,7 +154,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "never-arrived-in-op",
-        {"seq": 3, "op": "broadcast", "in_op": True},
+        HeartbeatState(seq=3, op="broadcast", in_op=True),
         True,
         False,
         Blame.NEVER_ARRIVED_IN_OP,
@@ -161,7 +162,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "never-arrived-in-op-raised",  # raised, but in an earlier op: not a consequence
-        {"seq": 3, "op": "broadcast", "in_op": True, "raised": True},
+        HeartbeatState(seq=3, op="broadcast", in_op=True, raised=True),
         True,
         False,
         Blame.NEVER_ARRIVED_IN_OP,
@@ -169,7 +170,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "ahead",
-        {"seq": 7, "op": "barrier", "in_op": True},
+        HeartbeatState(seq=7, op="barrier", in_op=True),
         True,
         False,
         Blame.AHEAD,
@@ -177,7 +178,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ),
     (
         "ahead-idle",
-        {"seq": 6, "op": "broadcast", "in_op": False},
+        HeartbeatState(seq=6, op="broadcast", in_op=False),
         True,
         False,
         Blame.AHEAD,
@@ -192,7 +193,7 @@ VERDICTS: list[tuple[str, dict[str, Any], bool, bool, Blame, str]] = [
     ids=[row[0] for row in VERDICTS],
 )
 def test_what_blocks_verdicts(
-    state: dict[str, Any], answered: bool, stopped: bool, blame: Blame, text: str
+    state: HeartbeatState, answered: bool, stopped: bool, blame: Blame, text: str
 ) -> None:
     assert what_blocks(state, answered=answered, stopped=stopped) == Verdict(blame, text)
 
@@ -200,7 +201,7 @@ def test_what_blocks_verdicts(
 def test_a_silent_rank_whose_process_runs_is_not_called_unresponsive() -> None:
     """Not answered, not stopped, but its process runs on this host: its watchdog cannot
     run (a C call that holds the GIL); its silence still shows."""
-    state = {"seq": 4, "op": "all_reduce", "t": NOW - 16.04}
+    state = HeartbeatState(seq=4, op="all_reduce", t=NOW - 16.04)
     verdict = _what_blocks(
         state,
         answered=False,
@@ -231,16 +232,16 @@ def test_every_blame_has_a_row() -> None:
 @pytest.mark.parametrize(
     "state",
     [
-        {"seq": 5, "op": "all_reduce", "in_op": True, "status": "running"},
-        {"seq": 5, "op": "all_reduce", "in_op": True, "raised": True},  # still in it
+        HeartbeatState(seq=5, op="all_reduce", in_op=True, status="running"),
+        HeartbeatState(seq=5, op="all_reduce", in_op=True, raised=True),  # still in it
     ],
 )
-def test_a_rank_in_the_op_blocks_nothing(state: dict[str, Any]) -> None:
+def test_a_rank_in_the_op_blocks_nothing(state: HeartbeatState) -> None:
     assert what_blocks(state) is None
 
 
 def test_stopped_is_only_read_for_a_rank_that_did_not_answer() -> None:
-    state = {"seq": 4, "op": "all_reduce", "in_op": False}
+    state = HeartbeatState(seq=4, op="all_reduce", in_op=False)
     assert what_blocks(state, answered=True, stopped=True).blame is Blame.NEVER_ARRIVED_IDLE
 
 
@@ -360,8 +361,8 @@ def test_majority_rule_without_divergence_keeps_every_culprit() -> None:
 def test_majority_rule_this_rank_in_the_majority() -> None:
     # Ranks 0 (this one) and 2 issued all_reduce#5, rank 1 broadcast#5; rank 3 is late.
     verdicts = {
-        1: what_blocks({"seq": 5, "op": "broadcast", "in_op": True}),
-        3: what_blocks({"seq": 4, "op": "all_reduce", "in_op": False}),
+        1: what_blocks(HeartbeatState(seq=5, op="broadcast", in_op=True)),
+        3: what_blocks(HeartbeatState(seq=4, op="all_reduce", in_op=False)),
     }
     ops = {1: "broadcast", 2: "all_reduce"}
     kept = majority_rule(0, NAME, SEQ, verdicts, ops)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from resilient_ddp.base import _clock
+from resilient_ddp.control._control import HeartbeatState
 from resilient_ddp.detection import _store_diagnosis
 from resilient_ddp.runtime import _runtime
 from resilient_ddp.testing import format_outcomes, run_ranks
@@ -117,7 +118,7 @@ def test_a_section_budget_is_seconds_left_on_the_observers_clock(
 ) -> None:
     clock = _Clock()
     monkeypatch.setattr(_clock, "monotonic", clock)
-    beat = {"beat": 7, "t": time.time() + their_wall_offset, "section_left": section_left}
+    beat = HeartbeatState(beat=7, t=time.time() + their_wall_offset, section_left=section_left)
     extra = _store_diagnosis._culprit_extra(
         beat, beat, silent_s=seen_ago, seen=clock.now - seen_ago
     )
@@ -136,12 +137,12 @@ def test_a_heartbeat_is_aged_from_when_this_process_saw_it_change(
     age = functools.partial(_runtime.Runtime.beat_age, rt)
     assert age(1) == 0.0  # never seen
     # Its wall-clock "t" (an hour off) plays no part: only its beat counter.
-    assert note(1, {"beat": 3, "t": time.time() - 3600}) == 1000.0
+    assert note(1, HeartbeatState(beat=3, t=time.time() - 3600)) == 1000.0
     clock.now += 2.0
-    assert note(1, {"beat": 3, "t": time.time() + 3600}) == 1000.0  # the same beat
+    assert note(1, HeartbeatState(beat=3, t=time.time() + 3600)) == 1000.0  # the same beat
     assert age(1) == pytest.approx(2.0)
     clock.now += 1.0
-    assert note(1, {"beat": 4, "t": 0.0}) == 1003.0  # it changed: fresh again
+    assert note(1, HeartbeatState(beat=4, t=0.0)) == 1003.0  # it changed: fresh again
     assert age(1) == 0.0
     clock.now += 5.0
     assert age(1) == pytest.approx(5.0)
@@ -150,10 +151,10 @@ def test_a_heartbeat_is_aged_from_when_this_process_saw_it_change(
 
 
 class _States:
-    def __init__(self, states: dict[int, Any]) -> None:
+    def __init__(self, states: dict[int, HeartbeatState]) -> None:
         self.states = states
 
-    def read_states(self, ranks: list[int]) -> dict[int, Any]:
+    def read_states(self, ranks: list[int]) -> dict[int, HeartbeatState]:
         return {r: self.states[r] for r in ranks if r in self.states}
 
 
@@ -178,7 +179,7 @@ def test_a_shared_verdict_is_aged_in_its_authors_heartbeats(
 
     cfg = ResilienceConfig(heartbeat_interval=0.5, heartbeat_timeout=3)
     rt = SimpleNamespace(config=cfg)
-    control = _States({} if author_state is None else {0: author_state})
+    control = _States({} if author_state is None else {0: HeartbeatState(**author_state)})
     verdict = {**verdict, "t": time.time() + 3600}  # its wall clock plays no part
     assert _store_diagnosis.verdict_stale(rt, control, verdict) is stale  # type: ignore[arg-type]
 

@@ -9,6 +9,7 @@ deadline), and the injected errors poke it so that each tick follows the last at
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -65,7 +66,7 @@ def _runtime_for(store: dist.Store) -> tuple[Runtime, Watchdog, ctl.ControlPlane
     rt.control.init_counters()
     rt.control.publish_state(0, rt.snapshot(0))
     other = ctl.ControlPlane(store, 0)
-    other.publish_state(1, {"rank": 1, "beat": 1, "status": "running", "t": time.time()})
+    other.publish_state(1, ctl.HeartbeatState(rank=1, beat=1, status="running", t=time.time()))
     wd = Watchdog(rt)
     rt.watchdog = wd
     assert wd.watched == [1]
@@ -344,9 +345,11 @@ def test_malformed_states_are_skipped_and_a_silent_rank_is_still_found(
     other.store.set("state/1", "garbage")  # not JSON: the control plane leaves it out
     wd.tick()
     before = sum(ctl.rejected_records().values())
-    other.publish_state(1, {"rank": 1, "beat": "many", "status": "running"})  # type: ignore[typeddict-item]
+    bad = ctl.HeartbeatState(rank=1, beat="many", status="running")  # type: ignore[arg-type]
+    other.publish_state(1, bad)
     wd.tick()
-    other.publish_state(1, {"rank": 1, "beat": 1, "status": ["running"]})  # type: ignore[typeddict-item]
+    bad = ctl.HeartbeatState(rank=1, beat=1, status=["running"])  # type: ignore[arg-type]
+    other.publish_state(1, bad)
     wd.tick()
     # The last two were left out as the control plane read them, and counted.
     assert sum(ctl.rejected_records().values()) - before == 2
@@ -359,6 +362,32 @@ def test_malformed_states_are_skipped_and_a_silent_rank_is_still_found(
     wd.tick()  # posts the report
     wd.tick()  # reads it back
     assert [(e.kind, e.rank) for e in rt.failures] == [(ctl.EV_UNRESPONSIVE, 1)]
+
+
+# -- this rank's heartbeat --------------------------------------------------------------------
+#: The keys of a heartbeat record, in the order the watchdog has always written them: a
+#: reader of another version reads the records of this one.
+_HEARTBEAT_KEYS = [
+    *("rank", "host", "pid", "beat", "gen", "seq", "op", "in_op", "step", "phase", "section"),
+    *("section_left", "status", "compute_s", "progress", "idle", "moving", "where", "inside"),
+    *("raised", "t", "diag"),
+]
+
+
+def test_a_published_heartbeat_keeps_its_keys_and_reads_back_equal_and_frozen(
+    store: dist.Store,
+) -> None:
+    rt, wd, other = _runtime_for(store)
+    assert list(wd._state().record()) == _HEARTBEAT_KEYS
+    answer = wd._state(with_stack=True)  # its answer to a diagnosis request
+    assert list(answer.record()) == [*_HEARTBEAT_KEYS, "stack"]
+    assert list(rt.snapshot(-1).record()) == _HEARTBEAT_KEYS[:-1]  # its last, by its runtime
+    rt.control.publish_state(0, answer)
+    read = other.read_states([0])[0]
+    assert read == answer
+    assert ctl.decode_state(answer.record(), "g0/state/0") == answer
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        read.status = "left"  # type: ignore[misc]
 
 
 _CRASH = {"kind": "crash", "rank": 1, "reporter": 0}

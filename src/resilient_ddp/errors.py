@@ -114,9 +114,10 @@ def record_problem(
 
 
 def field_types(record_type: Any) -> dict[str, tuple[type, ...]]:
-    """The types each field of the TypedDict ``record_type`` may hold in a record read
-    back (for :func:`record_problem`): a union's members, a generic's origin (``list``
-    for ``list[str]``), and ``int`` beside ``float`` (JSON writes ``2.0`` as ``2``)."""
+    """The types each field of ``record_type`` (a TypedDict or a dataclass) may hold in a
+    record read back (for :func:`record_problem`): a union's members, a generic's origin
+    (``list`` for ``list[str]``), and ``int`` beside ``float`` (JSON writes ``2.0`` as
+    ``2``)."""
     out: dict[str, tuple[type, ...]] = {}
     for name, hint in typing.get_type_hints(record_type).items():
         members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)

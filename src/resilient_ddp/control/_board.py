@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import mmap
 import os
 import secrets
@@ -180,9 +181,10 @@ def read_board(info: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def with_board(state: ctl.HeartbeatState | None, info: dict[str, Any] | None) -> ctl.HeartbeatState:
-    """``state`` (a rank's last heartbeat, maybe ``None``) with the step, phase and op of
-    its board when this host can read it: for a process that is gone or stopped, what it
-    was doing when it stopped, not as of its last heartbeat.
+    """``state`` (a rank's last heartbeat; ``None``: none, read as an empty one) with the
+    step, phase and op of its board when this host can read it (a copy: the state is
+    frozen): for a process that is gone or stopped, what it was doing when it stopped,
+    not as of its last heartbeat.
 
     The board holds the process's latest state whenever it was written (its ``t`` is the
     time of the last change, which may be older than the heartbeat's, published since
@@ -190,18 +192,17 @@ def with_board(state: ctl.HeartbeatState | None, info: dict[str, Any] | None) ->
     process that no longer runs, so a report shows no age (``state_age``); ``board``
     marks it.
     """
-    merged: ctl.HeartbeatState = {**(state or {})}
+    state = state if state is not None else ctl.HeartbeatState()
     board = read_board(info)
-    if board is not None:
-        merged.update(
-            {
-                "step": board["step"],
-                "seq": board["seq"],
-                "op": board["op"],
-                "phase": board["phase"],
-                "in_op": board["in_op"],
-                "t": time.time(),
-                "board": True,
-            }
-        )
-    return merged
+    if board is None:
+        return state
+    return dataclasses.replace(
+        state,
+        step=board["step"],
+        seq=board["seq"],
+        op=board["op"],
+        phase=board["phase"],
+        in_op=board["in_op"],
+        t=time.time(),
+        board=True,
+    )

@@ -100,9 +100,9 @@ import stat as stat_mod
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, TypedDict
+from typing import Any
 
 import torch.distributed as dist
 
@@ -165,57 +165,91 @@ def event_problem(ev: Any) -> str:
     return problem
 
 
-class HeartbeatState(TypedDict, total=False):
-    """A rank's heartbeat record (``state/<r>``), as its watchdog publishes it
-    (:meth:`Runtime.snapshot`) and as :meth:`ControlPlane.read_states` decodes it: every
-    field present has its type (:func:`decode_state`), any field may be missing (a rank
-    writes a short record before its first heartbeat; another process may have written the
-    key).
+@dataclass(frozen=True)
+class HeartbeatState:
+    """A rank's heartbeat (``state/<r>``): what its watchdog publishes
+    (:meth:`Runtime.snapshot`, in its JSON form :meth:`record`) and what
+    :meth:`ControlPlane.read_states` decodes each record into, once (:func:`decode_state`:
+    every field has its type; a record that breaks one is left out). A record may lack
+    any field (another process may have written the key): a field it does not say keeps
+    its default, None ("not said") or the value its readers take for a missing one.
 
     Attributes:
-        rank, host, pid: Who publishes it.
+        rank, host, pid: Who publishes it (None: not said).
         beat: Heartbeats sent so far (-1 in a rank's last record: it left or failed).
-        gen: The rank's generation. status: ``running``, ``left`` or ``failed``.
-        seq, op, in_op: Its last collective, its sequence number, whether it waits in it.
-        step, phase, section, section_left: Where its training loop is; the seconds left
-            in a section's budget (None: no budget).
-        compute_s: Median local compute time of its recent steps (seconds).
-        progress: ``[call, done]`` of a ``distributed_inference`` call.
-        idle, moving, where, inside: Its progress signals (seconds since one moved, which
-            moved, where its main thread is, whether in the library's own wait).
-        raised: It raised a failure error. t: Its wall clock, for people reading it.
-        diag: Diagnosis requests it answered. stack: Its main thread's stack (answers).
-        board: Step, phase and op were read from its shared-memory board (``with_board``).
+        gen: The rank's generation.
+        seq, op: Its last collective's sequence number and name (-1 and "" before its
+            first).
+        in_op: Whether it waits in that collective.
+        step, phase, section: Where its training loop is.
+        section_left: The seconds left in its section's budget (None: no budget, or not
+            said). Always in :meth:`record`, as the watchdog publishes it.
+        status: ``running``, ``left`` or ``failed``.
+        compute_s: Median local compute time of its recent steps (seconds; 0.0: none).
+        progress: ``(call, done)`` of a ``distributed_inference`` call (None: none, or not
+            said). Always in :meth:`record`, as the watchdog publishes it.
+        idle, moving, where, inside: Its progress signals: seconds since one moved, which
+            moved, where its main thread is, whether in the library's own wait.
+        raised: It raised a failure error.
+        t: Its wall clock, for people reading it (peers never compare it with theirs).
+        diag: Diagnosis requests it answered (None: its watchdog did not say).
+        stack: Its main thread's stack (in an answer to a diagnosis request).
+        board: Step, seq, op, phase and in_op were read from its shared-memory board
+            (:func:`~._board.with_board`; never published).
     """
 
-    rank: int
-    host: str
-    pid: int
-    beat: int
-    gen: int
-    seq: int
-    op: str
-    in_op: bool
-    step: int
-    phase: str
-    section: str
-    section_left: float | None
-    status: str
-    compute_s: float
-    progress: list[int] | None
-    idle: float
-    moving: list[str]
-    where: str
-    inside: bool
-    raised: bool
-    t: float
-    diag: int
-    stack: str
-    board: bool
+    rank: int | None = None
+    host: str | None = None
+    pid: int | None = None
+    beat: int | None = None
+    gen: int | None = None
+    seq: int | None = None
+    op: str | None = None
+    in_op: bool = False
+    step: int | None = None
+    phase: str | None = None
+    section: str | None = None
+    section_left: float | None = None
+    status: str | None = None
+    compute_s: float = 0.0
+    progress: tuple[int, ...] | None = None
+    idle: float | None = None
+    moving: tuple[str, ...] = ()
+    where: str | None = None
+    inside: bool = False
+    raised: bool = False
+    t: float | None = None
+    diag: int | None = None
+    stack: str | None = None
+    board: bool | None = None
+
+    def record(self) -> dict[str, object]:
+        """Its JSON form, as :meth:`ControlPlane.publish_state` writes it: every field
+        that is said (not None), and ``section_left`` and ``progress`` always (their null
+        is a value); tuples as lists. :func:`decode_state` reads it back into an equal
+        state."""
+        out: dict[str, object] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name not in _NULLABLE_STATE_FIELDS:
+                continue
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
 
-#: The types of :class:`HeartbeatState`'s fields.
-_STATE_FIELDS = field_types(HeartbeatState)
+#: Fields of :class:`HeartbeatState` whose null is a value on the wire, not "not said".
+_NULLABLE_STATE_FIELDS = frozenset({"section_left", "progress"})
+
+#: The types each field of a heartbeat record may hold (for :func:`state_problem`), from
+#: :class:`HeartbeatState`'s: a tuple is a JSON list, and null only where it is a value.
+_STATE_FIELDS = {
+    name: tuple(
+        list if kind is tuple else kind
+        for kind in kinds
+        if kind is not type(None) or name in _NULLABLE_STATE_FIELDS
+    )
+    for name, kinds in field_types(HeartbeatState).items()
+}
 
 
 def state_problem(record: Mapping[str, Any]) -> str:
@@ -224,7 +258,7 @@ def state_problem(record: Mapping[str, Any]) -> str:
     return record_problem(record, _STATE_FIELDS)
 
 
-def decode_state(record: dict[str, Any], name: str) -> HeartbeatState | None:
+def decode_state(record: Mapping[str, Any], name: str) -> HeartbeatState | None:
     """``record``, read under ``name``, as a :class:`HeartbeatState` (its other fields
     dropped), or None when it is not a heartbeat the library publishes (counted and
     logged once per key family, see :func:`state_problem`)."""
@@ -232,7 +266,11 @@ def decode_state(record: dict[str, Any], name: str) -> HeartbeatState | None:
     if problem:
         _note_rejected(name, problem)
         return None
-    return {k: v for k, v in record.items() if k in _STATE_FIELDS}  # type: ignore[return-value]
+    # Its fields' types are checked above; a JSON list is a tuple here (the state is frozen).
+    said: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in _STATE_FIELDS
+    }
+    return HeartbeatState(**said)
 
 
 @dataclass(frozen=True)
@@ -883,7 +921,8 @@ class ControlPlane:
         return self._multi_get_json([f"info/{r}" for r in ranks], ranks)
 
     def publish_state(self, rank: int, state: HeartbeatState) -> None:
-        self._set(f"state/{rank}", dict(state))
+        """Publish rank ``rank``'s heartbeat: its JSON form (:meth:`HeartbeatState.record`)."""
+        self._set(f"state/{rank}", state.record())
 
     def read_states(self, ranks: Sequence[int]) -> dict[int, HeartbeatState]:
         """The heartbeat states of ``ranks``, decoded (:func:`decode_state`); a rank whose

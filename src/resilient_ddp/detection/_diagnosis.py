@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__: list[str] = []
 
@@ -118,8 +118,42 @@ class Verdict:
         return cls(blame, blame.value.format(**facts))
 
 
+class Heartbeat(Protocol):
+    """What :func:`what_blocks` reads of a rank's last published state: the fields of a
+    ``control._control.HeartbeatState`` (which this pure module does not import), each
+    None or False where the rank did not say it."""
+
+    @property
+    def seq(self) -> int | None:
+        """The sequence number of its last collective."""
+
+    @property
+    def op(self) -> str | None:
+        """That collective's name."""
+
+    @property
+    def in_op(self) -> bool:
+        """Whether it waits in that collective."""
+
+    @property
+    def phase(self) -> str | None:
+        """The phase of its step."""
+
+    @property
+    def status(self) -> str | None:
+        """``running``, ``left`` or ``failed``."""
+
+    @property
+    def raised(self) -> bool:
+        """Whether it raised a failure error."""
+
+    @property
+    def t(self) -> float | None:
+        """Its wall clock when it published the state."""
+
+
 def what_blocks(  # noqa: PLR0911 - one return per verdict
-    state: Mapping[str, Any],
+    state: Heartbeat,
     *,
     answered: bool,
     stopped: bool,
@@ -133,7 +167,7 @@ def what_blocks(  # noqa: PLR0911 - one return per verdict
 
     Args:
         state: The rank's last published state (its answer to the diagnosis request if it
-            answered, else its last heartbeat; ``{}`` if none).
+            answered, else its last heartbeat; an empty ``HeartbeatState()`` if none).
         answered: Whether it answered the diagnosis request (or is no longer running).
         stopped: Whether its process is stopped on this host (read only if it did not
             answer).
@@ -147,30 +181,26 @@ def what_blocks(  # noqa: PLR0911 - one return per verdict
     Returns:
         The verdict, or ``None`` if the rank is in the op and blocks nothing.
     """
-    their_op = state.get("op")
-    if state.get("seq") == seq and their_op != name:
+    their_op = state.op
+    if state.seq == seq and their_op != name:
         # Judged before its departure: it may have left because of its own divergence.
         return Verdict.of(Blame.DIVERGED, op=their_op, seq=seq)
-    status = state.get("status")
+    status = state.status
     if status in ("left", "failed"):
         # After raising one of our errors itself, it is a consequence (see Blame.level).
         if status == "left":
-            return Verdict.of(Blame.LEFT_AFTER_OWN_ERROR if state.get("raised") else Blame.LEFT)
-        return Verdict.of(Blame.FAILED_AFTER_OWN_ERROR if state.get("raised") else Blame.FAILED)
+            return Verdict.of(Blame.LEFT_AFTER_OWN_ERROR if state.raised else Blame.LEFT)
+        return Verdict.of(Blame.FAILED_AFTER_OWN_ERROR if state.raised else Blame.FAILED)
     if not answered:
         if stopped:
             return Verdict.of(Blame.STOPPED)
-        silence = now - float(state.get("t", 0))
+        silence = now - (0.0 if state.t is None else float(state.t))
         if running:
             return Verdict.of(Blame.RUNNING_UNHEARD, silence=silence)
         return Verdict.of(Blame.NOT_RESPONDING, silence=silence)
-    their_seq = state.get("seq", -1)
-    in_op = state.get("in_op")
-    if (
-        their_seq == seq
-        and not in_op
-        and (state.get("raised") or state.get("phase") == recovery_phase)
-    ):
+    their_seq = -1 if state.seq is None else state.seq
+    in_op = state.in_op
+    if their_seq == seq and not in_op and (state.raised or state.phase == recovery_phase):
         # It arrived, and gave up on the op first (its own deadline fired a moment
         # earlier): a consequence, like this rank's own timeout, never a cause.
         return Verdict.of(Blame.GAVE_UP_AFTER_OWN_ERROR, name=name, seq=seq)

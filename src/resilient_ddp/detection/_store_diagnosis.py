@@ -89,8 +89,9 @@ def verdict_stale(rt: Runtime, control: ctl.ControlPlane, verdict: dict[str, Any
     by, beat = verdict.get("by"), verdict.get("beat")
     if not isinstance(by, int) or isinstance(beat, bool) or not isinstance(beat, int):
         return True
-    now = control.read_states([by]).get(by, {}).get("beat")
-    if isinstance(now, bool) or not isinstance(now, int):
+    state = control.read_states([by]).get(by)
+    now = None if state is None else state.beat
+    if now is None:
         return True
     interval = rt.config.heartbeat_interval.total_seconds()
     return (now - beat) * interval > rt.config.heartbeat_timeout.total_seconds()
@@ -111,7 +112,7 @@ def _diagnose_here(
         for r, st in states.items():
             seen = rt.note_beat(r, st)
             # Keep the first answer: the next heartbeat republishes it without the stack.
-            if r not in answers and (st.get("diag", 0) >= request or st.get("status") != "running"):
+            if r not in answers and ((st.diag or 0) >= request or st.status != "running"):
                 answers[r] = st
                 seen_at[r] = seen
         if len(answers) == len(others) or rt.failed_for(seq):
@@ -128,15 +129,16 @@ def _diagnose_here(
     hb_timeout = rt.config.heartbeat_timeout.total_seconds()
     for r in others:
         answered = r in answers
-        s = beat = answers.get(r, states.get(r, {}))
+        last = answers.get(r, states.get(r))  # None: no state at all
+        s = beat = last if last is not None else ctl.HeartbeatState()
         info = rt.infos.get(r, {})
         stopped = not answered and rt.is_stopped(r)
         running = not answered and not stopped and rt.is_running(r)
         if stopped:
             # Stopped on this host: its board has what it was doing when it stopped.
             s = with_board(beat, info)
-        if s.get("seq") == seq:
-            ops[r] = str(s.get("op"))
+        if s.seq == seq:
+            ops[r] = str(s.op)
         # How long it has been silent, by this process's clock: since this process saw
         # its heartbeat change (its wall-clock "t" may come from a clock that is off).
         silent_s = rt.beat_age(r)
@@ -148,12 +150,12 @@ def _diagnose_here(
             name=name,
             seq=seq,
             # what_blocks ages the heartbeat by its "t": give it this process's age.
-            now=_number(beat.get("t")) + silent_s,
+            now=_number(beat.t) + silent_s,
             recovery_phase=RECOVERY_PHASE,
         )
         if verdict is not None:
             verdicts[r] = verdict
-            fresh = bool(beat) and silent_s < hb_timeout  # no state at all: not fresh
+            fresh = last is not None and silent_s < hb_timeout  # no state at all: not fresh
             seen = seen_at[r] if r in seen_at else rt.note_beat(r, beat)
             extra = _culprit_extra(beat, s, silent_s, seen)
             culprits.append(
@@ -162,8 +164,8 @@ def _diagnose_here(
                     what=verdict.what,
                     blame=verdict.blame.name,
                     info=info,
-                    state=s,
-                    stack=s.get("stack"),
+                    state=s.record(),
+                    stack=s.stack,
                     # A process on this host that exists and is not stopped counts
                     # as alive even with a stale heartbeat (it may have just left a
                     # C call that held the GIL): whether it is dead is the watchdog's
@@ -183,7 +185,7 @@ def _diagnose_here(
             what=ruling.what,
             blame=ruling.blame.name,
             info=rt.identity,
-            state=rt.snapshot(0),
+            state=rt.snapshot(0).record(),
             alive=True,
         )
         return [me]
@@ -197,7 +199,7 @@ def straggler_report(rt: Runtime, control: ctl.ControlPlane) -> dict[str, Any]:
     """Every rank's median step compute time and the ranks slower than the group median
     by more than ``config.straggler_margin``. One store round trip."""
     states = control.read_states(list(range(rt.world_size)))
-    times = {r: float(s.get("compute_s", 0.0)) for r, s in states.items()}
+    times = {r: float(s.compute_s) for r, s in states.items()}
     measured = sorted(t for t in times.values() if t > 0)
     median = measured[len(measured) // 2] if measured else 0.0
     limit = median * (1 + rt.config.straggler_margin)
@@ -212,33 +214,31 @@ def _culprit_extra(
     (``state``: its state as judged), ``silent_s`` seconds old by this process's clock
     and first seen at ``seen`` (this process's monotonic clock)."""
     extra: dict[str, Any] = {}
-    if not state.get("board"):
+    if not state.board:
         # Its heartbeat's age by this process's clock (the one Culprit.record would compute
         # compares its wall-clock "t" with this host's). A board (a stopped rank on this
         # host) is read now: Culprit.record's age of it stands.
         extra["state_age"] = round(silent_s, 3)
-    idle = beat.get("idle")
-    if isinstance(idle, (int, float)) and not isinstance(idle, bool):
+    if beat.idle is not None:
         # Busy or stuck (see Op._stuck): seconds since its progress signals last moved,
         # measured by its own clock; what moved; where it is.
-        extra["idle"] = float(idle)
-        moving = beat.get("moving")
-        extra["moving"] = [str(m) for m in moving] if isinstance(moving, list) else []
-        extra["where"] = str(beat.get("where", ""))
+        extra["idle"] = float(beat.idle)
+        extra["moving"] = [str(m) for m in beat.moving]
+        extra["where"] = str(beat.where or "")
         # In one of the library's own waits (elastic recovery, an admission): bounded by
         # the library, not judged by progress.
-        extra["inside"] = in_own_wait(beat.get("inside"), state.get("phase"))
-    if beat.get("section_left") is not None:
+        extra["inside"] = in_own_wait(beat.inside, state.phase)
+    if beat.section_left is not None:
         # Seconds left in its section's budget now: what it published with that heartbeat,
         # less the time since this process saw that heartbeat (a relative duration: the
         # peers' clocks are never compared).
         since = _clock.monotonic() - seen
-        extra["busy_left"] = max(0.0, _number(beat["section_left"]) - since)
+        extra["busy_left"] = max(0.0, _number(beat.section_left) - since)
     return extra
 
 
-def _number(value: Any) -> float:
-    """``value`` as a float (a published field), 0.0 if it is not a finite number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _number(value: float | None) -> float:
+    """``value`` (a published field) as a float, 0.0 if it is not a finite number."""
+    if value is None:
         return 0.0
     return float(value) if abs(float(value)) < float("inf") else 0.0

@@ -21,6 +21,7 @@ store is lost, and the peers are told this rank failed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -325,7 +326,7 @@ class Watchdog(threading.Thread):
                 rt.rank,
                 what=what,
                 info=rt.identity,
-                state=rt.snapshot(self._beat),
+                state=rt.snapshot(self._beat).record(),
                 exc_type=qualname(type(e)),
                 exc_message=str(e),
             )
@@ -415,11 +416,11 @@ class Watchdog(threading.Thread):
         return usable
 
     def _state(self, *, with_stack: bool = False) -> ctl.HeartbeatState:
-        state = self.rt.snapshot(self._beat)
-        state["diag"] = self._diag_answered
-        if with_stack:
-            state["stack"] = self.rt.main_stack()
-        return state
+        return dataclasses.replace(
+            self.rt.snapshot(self._beat),
+            diag=self._diag_answered,
+            stack=self.rt.main_stack() if with_stack else None,
+        )
 
     def _check_heartbeats(self, states: dict[int, ctl.HeartbeatState]) -> None:
         now = time.monotonic()
@@ -433,13 +434,13 @@ class Watchdog(threading.Thread):
         silence: dict[int, float] = {}
         for r, s in states.items():
             self.rt.note_beat(r, s)  # what the diagnosis judges this rank's silence by
-            beat = int(s.get("beat", 0))
+            beat = s.beat or 0
             last = self._last_change.get(r)
             if last is None or last[0] != beat:
                 self._last_change[r] = (beat, now)
                 self._unheard.discard(r)
                 continue
-            if s.get("status") == "running" and r not in self.rt.left:
+            if s.status == "running" and r not in self.rt.left:
                 silence[r] = now - last[1]
         stale = {r for r, t in silence.items() if t >= self.hb_timeout}
         # Ranks of a stale rank's host that are nearly as silent went with it (another
@@ -477,7 +478,7 @@ class Watchdog(threading.Thread):
                 # Stopped on this host: its board says what it was doing when it stopped.
                 states[r] = with_board(states[r], self.rt.infos.get(r))
             found.append((r, what))
-            self._last_change[r] = (int(states[r].get("beat", 0)), float("inf"))  # report once
+            self._last_change[r] = (states[r].beat or 0, float("inf"))  # report once
         if found:
             self._report_all(ctl.EV_UNRESPONSIVE, found, states)
 
@@ -498,7 +499,7 @@ class Watchdog(threading.Thread):
         what = f"overran the {budget:.1f} s budget of section {name!r}"
         state = self._state(with_stack=True)
         culprit = Culprit.record(
-            rt.rank, what=what, info=rt.identity, state=state, stack=state["stack"]
+            rt.rank, what=what, info=rt.identity, state=state.record(), stack=state.stack
         )
         self._logger.warning("%s", what)
         self._post(ctl.EV_SECTION, rt.rank, culprit)
@@ -542,15 +543,15 @@ class Watchdog(threading.Thread):
             info = self.rt.infos[r]
             self.local_peers = [p for p in self.local_peers if p != r]
             state = self.control.read_states([r]).get(r) if self.control.has_state(r) else None
-            if state is not None and state.get("status") == "left":
+            if state is not None and state.status == "left":
                 continue
             # What it was doing when it died, from its board (its heartbeat may be a few
             # steps behind in a fast loop).
             state = with_board(state, info)
             self._report(ctl.EV_CRASH, r, f"died (process {info['pid']} is gone)", state)
 
-    def _report(self, kind: str, r: int, what: str, state: ctl.HeartbeatState | None) -> None:
-        self._report_all(kind, [(r, what)], {r: state or {}})
+    def _report(self, kind: str, r: int, what: str, state: ctl.HeartbeatState) -> None:
+        self._report_all(kind, [(r, what)], {r: state})
 
     def _report_all(
         self, kind: str, found: list[tuple[int, str]], states: Mapping[int, ctl.HeartbeatState]
@@ -560,7 +561,9 @@ class Watchdog(threading.Thread):
         for r, what in found:
             if not self.control.claim(r):
                 continue  # someone else reported it first
-            culprit = Culprit.record(r, what=what, info=self.rt.infos.get(r), state=states[r])
+            culprit = Culprit.record(
+                r, what=what, info=self.rt.infos.get(r), state=states[r].record()
+            )
             self._logger.warning("rank %d %s", r, what)
             events.append(self._event(kind, r, culprit))
         if events:

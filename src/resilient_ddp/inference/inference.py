@@ -1203,20 +1203,20 @@ class _Collector(threading.Thread):
         changed = False
         busy = rt.config.busy_timeout.total_seconds()
         for r in holders:
-            s = states.get(r, {})
+            s = states.get(r, ctl.HeartbeatState())  # none: an empty one
             held = self.held.get(r)
             if held is None or held[0] != leases[r]:
                 held = self.held[r] = (leases[r], now)
-            key = (leases[r], json.dumps(s.get("progress")))
+            key = (leases[r], json.dumps(s.progress))
             prev = self.seen.get(r)
             if prev is None or prev[0] != key:
                 prev = self.seen[r] = (key, now)
             stuck = (
-                s.get("status") == "running"
+                s.status == "running"
                 # Waiting inside the library (a delivery's store write to a store host
                 # that is slow to read it) is a bounded wait of ours, not a hang.
-                and not in_own_wait(s.get("inside"), s.get("phase"))
-                and float(s.get("idle", 0.0)) >= window
+                and not in_own_wait(s.inside, s.phase)
+                and float(s.idle or 0.0) >= window
                 and now - prev[1] >= window
             )
             overdue = now - held[1] >= busy  # busy all along: a livelock
@@ -1225,19 +1225,20 @@ class _Collector(threading.Thread):
             if stuck:
                 what = (
                     f"hung in distributed_inference: holds ticket {leases[r]} and its "
-                    f"progress signals did not move for {float(s.get('idle', 0.0)):.1f} s "
-                    f"(at {s.get('where', '?')})"
+                    f"progress signals did not move for {float(s.idle or 0.0):.1f} s "
+                    f"(at {'?' if s.where is None else s.where})"
                 )
                 why = f"hung (no progress for {window:.1f} s)"
             else:
                 what = (
                     f"held ticket {leases[r]} of distributed_inference for {now - held[1]:.0f} "
-                    f"s, past busy_timeout, its signals still moving (at {s.get('where', '?')})"
+                    f"s, past busy_timeout, its signals still moving "
+                    f"(at {'?' if s.where is None else s.where})"
                 )
                 why = f"was busy on one chunk past busy_timeout ({busy:.0f} s)"
             if self.control.claim(r):
                 culprit = Culprit.record(
-                    r, what=what, info=rt.infos.get(r), state=s, stack=s.get("stack", "")
+                    r, what=what, info=rt.infos.get(r), state=s.record(), stack=s.stack or ""
                 )
                 self.control.post_events(
                     [
@@ -1258,7 +1259,7 @@ class _Collector(threading.Thread):
                     f"rank {r} (host {rt.identity['host']}): {what}; distributed_inference "
                     "cannot finish without rank 0, which collects the results. Raised "
                     "here, in the main thread.",
-                    culprits=[Culprit.of(r, what=what, state=s)],
+                    culprits=[Culprit.of(r, what=what, state=s.record())],
                     op="distributed_inference",
                     generation=rt.generation,
                 )
@@ -1455,7 +1456,7 @@ def _await_peers(rt: Runtime, shares: list[int], timeout: Duration) -> None:
                 states = rt.control.read_states(pending)
                 now = time.monotonic()
                 for r in pending:
-                    done = _done(states.get(r, {}), call)
+                    done = _done(states.get(r), call)
                     if seen.get(r, (-1, 0.0))[0] != done:
                         seen[r] = (done, now)
                 pending = [r for r in pending if seen[r][0] < shares[r]]
@@ -1506,11 +1507,11 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
-def _done(state: ctl.HeartbeatState, call: int) -> int:
-    """Items a rank's heartbeat says it processed in inference call ``call`` (0 while its
-    heartbeat still shows an earlier call)."""
-    progress = state.get("progress")
-    if isinstance(progress, list) and progress[:1] == [call]:
+def _done(state: ctl.HeartbeatState | None, call: int) -> int:
+    """Items a rank's heartbeat (None: none) says it processed in inference call ``call``
+    (0 while its heartbeat still shows an earlier call)."""
+    progress = None if state is None else state.progress
+    if progress is not None and progress[:1] == (call,):
         return int(progress[-1])
     return 0
 

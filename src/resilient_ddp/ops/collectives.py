@@ -498,14 +498,14 @@ class Op:
             self.keep_stuck(work)
         self._raise_watchdog_verdict(error)
         try:
-            state = rt.control.read_states([peer]).get(peer, {})
+            state = rt.control.read_states([peer]).get(peer)
         except Exception:  # noqa: BLE001 - naming is best effort
-            state = {}
+            state = None
         culprit = Culprit.record(
             peer,
             what=f"did not complete its side of {self.name}#{self.seq}",
             info=rt.infos.get(peer, {}),
-            state=state,
+            state=None if state is None else state.record(),
         )
         self._post_and_raise(
             RankFailureError,

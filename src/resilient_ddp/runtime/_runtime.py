@@ -584,34 +584,36 @@ class Runtime:
             self.pending.discard(p)
 
     def snapshot(self, beat: int) -> ctl.HeartbeatState:
-        return {
-            "rank": self.rank,
-            "host": self.identity["host"],
-            "pid": self.identity["pid"],
-            "beat": beat,
-            "gen": self.generation,
-            "seq": self.op_seq,
-            "op": self.op,
-            "in_op": self.in_op,
-            "step": self.step,
-            "phase": self.phase,
-            "section": self.section,
+        """This rank's heartbeat now, as its watchdog publishes it (beat ``beat``)."""
+        last, progress = self.liveness.last, self.progress  # each read once: set elsewhere
+        return ctl.HeartbeatState(
+            rank=self.rank,
+            host=self.identity["host"],
+            pid=self.identity["pid"],
+            beat=beat,
+            gen=self.generation,
+            seq=self.op_seq,
+            op=self.op,
+            in_op=self.in_op,
+            step=self.step,
+            phase=self.phase,
+            section=self.section,
             # Seconds left in the section's budget: peers keep waiting for a rank that is
             # busy within a declared budget (a checkpoint save) instead of failing it.
-            "section_left": self.section_left(),
-            "status": self.status,
-            "compute_s": self.compute_s,
-            "progress": self.progress,
+            section_left=self.section_left(),
+            status=self.status,
+            compute_s=self.compute_s,
+            progress=None if progress is None else tuple(progress),
             # Seconds since the main thread's progress signals last moved (its own
             # monotonic clock), which moved then, and where it is: busy or stuck.
-            "idle": round(self.liveness.idle(), 2),
-            "moving": list(self.liveness.moving),
-            "where": self.liveness.last.where if self.liveness.last is not None else "",
-            "inside": self.liveness.last.inside if self.liveness.last is not None else False,
-            "raised": self.raised,
+            idle=round(self.liveness.idle(), 2),
+            moving=tuple(self.liveness.moving),
+            where=last.where if last is not None else "",
+            inside=last.inside if last is not None else False,
+            raised=self.raised,
             # For people reading the state: peers never compare it with their own clock.
-            "t": _clock.wall(),
-        }
+            t=_clock.wall(),
+        )
 
     def note_beat(self, rank: int, state: ctl.HeartbeatState) -> float:
         """Note that this process sees ``state`` (rank ``rank``'s published state) now.
@@ -620,7 +622,7 @@ class Runtime:
             When this process first saw that heartbeat (its ``beat``), on its monotonic
             clock (:func:`_clock.monotonic`). Never blocks (a lock held for a dict update).
         """
-        beat, now, key = state.get("beat"), _clock.monotonic(), (self.generation, rank)
+        beat, now, key = state.beat, _clock.monotonic(), (self.generation, rank)
         with self._beats_lock:
             seen = self._beats_seen.get(key)
             if seen is None or seen[0] != beat:
@@ -904,7 +906,7 @@ class Runtime:
                 states = control.read_states(waiting)
             except ControlPlaneError:
                 return  # the server itself failed: nothing to keep serving
-            waiting = [r for r in waiting if not self._done_with_store(r, states.get(r, {}))]
+            waiting = [r for r in waiting if not self._done_with_store(r, states.get(r))]
             if waiting:
                 _clock.sleep(0.05)
         waited = _clock.monotonic() - start
@@ -918,8 +920,8 @@ class Runtime:
         elif waited > 1.0:
             self._logger.info("kept the store up %.1f s for the peers", waited)
 
-    def _done_with_store(self, rank: int, state: ctl.HeartbeatState) -> bool:
-        if state.get("status") in ("left", "failed"):
+    def _done_with_store(self, rank: int, state: ctl.HeartbeatState | None) -> bool:
+        if state is not None and state.status in ("left", "failed"):
             return True
         with self.lock:
             dead = any(
@@ -1105,7 +1107,7 @@ class Runtime:
             self.rank,
             what=f"raised {qualname(type(exc))}" + (f" in thread {thread!r}" if thread else ""),
             info=self.identity,
-            state=self.snapshot(0),
+            state=self.snapshot(0).record(),
             exc_type=qualname(type(exc)),
             exc_message=str(exc),
             traceback=format_tb_summary(tb or exc.__traceback__, self.config.stack_depth),
@@ -1139,7 +1141,7 @@ class Runtime:
             what=f"left the group after op #{self.op_seq} ({self.op or 'none'})"
             + _sampler_hint(self),
             info=self.identity,
-            state=self.snapshot(0),
+            state=self.snapshot(0).record(),
         )
         self.status = "left"
         try:

@@ -429,13 +429,13 @@ def _report_death(jobs: ctl.JobStore, rank: int, exitcode: int) -> None:
         control = ctl.ControlPlane(jobs.root, gen)
         if not control.has_state(rank) or not control.claim(rank):
             return
-        state = control.read_states([rank]).get(rank, {})
-        if state.get("status") == "left":
+        state = control.read_states([rank]).get(rank)
+        if state is not None and state.status == "left":
             return
         info = control.read_infos([rank]).get(rank) if control.has_info(rank) else None
         # What it was doing when it died, from its board: its last heartbeat may be a few
         # steps behind in a fast loop.
-        state = _board.with_board(state, info)
+        judged = _board.with_board(state, info)
         control.post_event(
             {
                 "kind": ctl.EV_CRASH,
@@ -443,7 +443,7 @@ def _report_death(jobs: ctl.JobStore, rank: int, exitcode: int) -> None:
                 "reporter": -1,
                 "gen": gen,
                 "t": time.time(),
-                "culprit": Culprit.record(rank, what=what, info=info, state=state),
+                "culprit": Culprit.record(rank, what=what, info=info, state=judged.record()),
             }
         )
     except Exception:  # noqa: BLE001 - reporting is best effort; peers also detect deaths

@@ -823,7 +823,7 @@ def _recovering(rt: Runtime, ranks: list[int], dead: set[int]) -> bool:
         states = rt.control.read_states(alive)
     except Exception:  # noqa: BLE001 - unreadable: decide on what is known
         return False
-    return any(s.get("phase") == RECOVERY_PHASE for s in states.values())
+    return any(s.phase == RECOVERY_PHASE for s in states.values())
 
 
 def _next_generation(rt: Runtime) -> int:
@@ -1147,7 +1147,7 @@ def _transferring(rt: Runtime, ranks: list[int]) -> bool:
         states = rt.control.read_states(ranks)
     except ControlPlaneError:
         return False
-    return all(states.get(r, {}).get("phase") == TRANSFER_PHASE for r in ranks)
+    return all(r in states and states[r].phase == TRANSFER_PHASE for r in ranks)
 
 
 def _stop_looking(rt: Runtime, el: Elastic) -> None:
