@@ -291,13 +291,18 @@ def test_reading_the_main_threads_frame_survives_a_collection_freeing_a_local() 
     assert proc.stdout.split() == ["frames", "200", "gc", "True"]
 
 
+def _stat(task_id: int, name: str, utime: int, stime: int) -> str:
+    """A ``/proc`` ``stat`` line: state ``S``, ``utime`` and ``stime`` CPU ticks."""
+    fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5
+    return f"{task_id} ({name}) " + " ".join(fields) + "\n"
+
+
 def _task(root: Any, tid: int, name: str, rchar: int, wchar: int, utime: int, stime: int) -> None:
     d = root / str(tid)
     d.mkdir()
     (d / "comm").write_text(name + "\n")
     (d / "io").write_text(f"rchar: {rchar}\nwchar: {wchar}\nsyscr: 1\nread_bytes: 999\n")
-    fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5
-    (d / "stat").write_text(f"{tid} ({name}) " + " ".join(fields) + "\n")
+    (d / "stat").write_text(_stat(tid, name, utime, stime))
 
 
 def test_the_data_plane_counts_gloo_threads_only(tmp_path: Any) -> None:
@@ -318,8 +323,7 @@ def _proc(root: Any, pid: int, utime: int, stime: int, kids: dict[int, list[int]
     wait of ``utime`` ms) and, per thread, its children."""
     d = root / str(pid)
     (d / "task").mkdir(parents=True)
-    fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5
-    (d / "stat").write_text(f"{pid} (python) " + " ".join(fields) + "\n")
+    (d / "stat").write_text(_stat(pid, "python", utime, stime))
     (d / "schedstat").write_text(f"123 {utime * 10**6} 7\n")
     for tid, children in kids.items():
         (d / "task" / str(tid)).mkdir()

@@ -183,10 +183,11 @@ def read_children(
         without the ``children`` files, or without scheduler statistics).
     """
     total = waited = 0.0
-    readable = schedstat = False
+    readable = False
+    children = waits = 0  # children seen; of them, whose run-queue wait was read
 
     def walk(parent: str, left: int) -> None:
-        nonlocal total, waited, readable, schedstat
+        nonlocal total, waited, readable, children, waits
         try:
             tids = os.listdir(f"{proc}/{parent}/task")
         except OSError:
@@ -204,15 +205,18 @@ def read_children(
                 if cpu >= 0:
                     total += cpu
                 wait = read_waited(0, f"{proc}/{child}/schedstat")
+                children += 1
                 if wait >= 0:
-                    waited, schedstat = waited + wait, True
+                    waited, waits = waited + wait, waits + 1
                 if left > 1:
                     walk(child, left - 1)
 
     walk(pid, depth)
     if not readable:
         return -1.0, -1.0
-    return total, waited if schedstat or total == 0.0 else -1.0
+    # A child that exited between the listing and the reads has nothing to read; a kernel
+    # without scheduler statistics has nothing for any child.
+    return total, waited if waits or not children else -1.0
 
 
 #: Name prefixes of the threads that move a gloo collective's data: gloo's transport
@@ -388,36 +392,38 @@ class Tracker:
         self.moved_t = self._last_t = self._clock()
 
 
-def _cpu_signal(prev: Sample, s: Sample, elapsed: float) -> str | None:
-    """``"cpu"`` when the main thread's CPU time rose by :data:`CPU_SHARE` of the
-    ``elapsed`` seconds from ``prev`` to ``s``; else ``"runnable"`` when it works on a host
-    that gives it little CPU (running at ``s``, it spent :data:`RUNNABLE_SHARE` of them on
-    a CPU or waiting for one); else None."""
-    if s.cpu_s < 0 or prev.cpu_s < 0:
+def _worked(
+    cpu: tuple[float, float], waited: tuple[float, float], elapsed: float, running: bool
+) -> str | None:
+    """The rule both CPU signals follow, over a counter's two readings ``(before, now)``
+    (seconds; -1.0: unreadable): ``"cpu"`` when the CPU time rose by :data:`CPU_SHARE` of
+    the ``elapsed`` seconds; else ``"runnable"`` when, ``running`` at the second reading,
+    CPU time and run-queue wait together rose by :data:`RUNNABLE_SHARE` of them (work on a
+    host that gives it little CPU: a poll loop sleeps most of the time, however loaded the
+    host); else None."""
+    if min(cpu) < 0:
         return None
-    used = s.cpu_s - prev.cpu_s
+    used = cpu[1] - cpu[0]
     if used >= CPU_SHARE * elapsed:
         return "cpu"
-    if s.state != "R" or s.waited_s < 0 or prev.waited_s < 0:
+    if not running or min(waited) < 0:
         return None
-    if used + (s.waited_s - prev.waited_s) >= RUNNABLE_SHARE * elapsed:
-        return "runnable"
-    return None
+    return "runnable" if used + waited[1] - waited[0] >= RUNNABLE_SHARE * elapsed else None
+
+
+def _cpu_signal(prev: Sample, s: Sample, elapsed: float) -> str | None:
+    """The main thread's CPU signal from ``prev`` to ``s`` (:func:`_worked`; it must be
+    running at ``s`` to count as starved)."""
+    return _worked((prev.cpu_s, s.cpu_s), (prev.waited_s, s.waited_s), elapsed, s.state == "R")
 
 
 def _children_signal(prev: Sample, s: Sample, elapsed: float) -> bool:
-    """Whether the process's descendants worked from ``prev`` to ``s``: their CPU time
-    rose by :data:`CPU_SHARE` of the ``elapsed`` seconds, or (an overloaded host, where
-    they wait for a CPU most of the time) their CPU time and run-queue wait together by
-    :data:`RUNNABLE_SHARE` of them. A child that polls does neither."""
-    if min(s.children_s, prev.children_s) < 0:
-        return False
-    used = s.children_s - prev.children_s
-    if used >= CPU_SHARE * elapsed:
-        return True
-    if min(s.children_waited_s, prev.children_waited_s) < 0:
-        return False
-    return used + (s.children_waited_s - prev.children_waited_s) >= RUNNABLE_SHARE * elapsed
+    """Whether the process's descendants worked from ``prev`` to ``s`` (:func:`_worked`
+    over their summed CPU time and run-queue wait; the sum of several processes has no one
+    state to ask)."""
+    cpu = (prev.children_s, s.children_s)
+    waited = (prev.children_waited_s, s.children_waited_s)
+    return _worked(cpu, waited, elapsed, running=True) is not None
 
 
 class WaitHistory:
