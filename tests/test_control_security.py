@@ -207,6 +207,24 @@ def test_an_old_heartbeat_and_a_copied_event_line_are_ignored() -> None:
 
 
 # -- 6. garbage in counters and logs -----------------------------------------------------------
+def test_a_missing_or_deleted_heartbeat_is_left_out_never_waited_for() -> None:
+    """A reader that lags behind a generation whose keys were deleted (an abandoned
+    admission's, which the next generation's rank 0 cleans up) reads nothing there; it
+    does not wait out the store's timeout (a joiner once waited 60 s in a diagnosis,
+    missed three admissions and was given up on). The store's timeout is long, so that a
+    read that waits for a key fails the test by raising."""
+    base = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    root = ctl.root_prefix(base, "job", SECRET)
+    writer, reader = ctl.ControlPlane(root, 3), ctl.ControlPlane(root, 3)
+    writer.publish_state(0, ctl.HeartbeatState(beat=4, status="running"))
+    writer.publish_info(0, {"host": "h", "pid": 7})
+    assert list(reader.read_states([0, 1, 2])) == [0]
+    assert reader.read_states([1, 2]) == {}
+    assert list(reader.read_infos([0, 1])) == [0]
+    base.delete_key(f"{root.prefix}/g3/state/0")
+    assert reader.read_states([0, 1]) == {}
+
+
 def test_garbage_in_the_event_counter_neither_hides_a_failure_nor_loses_the_store() -> None:
     """Garbage in ``g0/ev/n`` (and in a claim): the reporter of rank 2's death posts it
     (no 'store unreachable'), and the other watchdogs still read it, naming rank 2."""

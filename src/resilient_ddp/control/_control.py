@@ -950,9 +950,6 @@ class ControlPlane:
         """How many ranks finished with inference call ``call``."""
         return int(self._call(self.store.add, f"inf/{call}/done", 0))
 
-    def has_info(self, rank: int) -> bool:
-        return self._call(self.store.check, [f"info/{rank}"])  # type: ignore[no-any-return]
-
     def has_state(self, rank: int) -> bool:
         return self._call(self.store.check, [f"state/{rank}"])  # type: ignore[no-any-return]
 
@@ -1129,8 +1126,26 @@ class ControlPlane:
     def _multi_get_json(
         self, keys: Sequence[str], ranks: Sequence[int]
     ) -> dict[int, dict[str, Any]]:
+        """The records at ``keys`` (one per rank of ``ranks``), unsealed; a key that does
+        not exist is left out, never waited for (a store's ``multi_get`` waits for every
+        key up to the store's timeout: a reader that lags behind a generation whose keys
+        its successor deleted would wait that long). One round trip when every key is
+        there (the usual case), one per key more when some are missing.
+
+        Raises:
+            ControlPlaneError: The store is unreachable.
+        """
         if not keys:
             return {}
+        if not self._call(self.store.check, list(keys)):
+            there = [
+                (k, r)
+                for k, r in zip(keys, ranks, strict=True)
+                if self._call(self.store.check, [k])
+            ]
+            if not there:
+                return {}
+            keys, ranks = [k for k, _ in there], [r for _, r in there]
         before = self._beats_before()
         raw = self._call(self.store.multi_get, list(keys))
         return self._parse(keys, ranks, raw, before)

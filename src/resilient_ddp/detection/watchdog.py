@@ -542,7 +542,7 @@ class Watchdog(threading.Thread):
                 continue
             info = self.rt.infos[r]
             self.local_peers = [p for p in self.local_peers if p != r]
-            state = self.control.read_states([r]).get(r) if self.control.has_state(r) else None
+            state = self.control.read_states([r]).get(r)
             if state is not None and state.status == "left":
                 continue
             # What it was doing when it died, from its board (its heartbeat may be a few

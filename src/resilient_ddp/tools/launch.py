@@ -432,7 +432,7 @@ def _report_death(jobs: ctl.JobStore, rank: int, exitcode: int) -> None:
         state = control.read_states([rank]).get(rank)
         if state is not None and state.status == "left":
             return
-        info = control.read_infos([rank]).get(rank) if control.has_info(rank) else None
+        info = control.read_infos([rank]).get(rank)
         # What it was doing when it died, from its board: its last heartbeat may be a few
         # steps behind in a fast loop.
         judged = _board.with_board(state, info)

@@ -1594,9 +1594,22 @@ def _admit(
         error or "it failed on another rank",
     )
     ranks = {c.rank for c in getattr(error, "culprits", [])}
-    if error is not None and not (ranks and all(r < n_old for r in ranks)):
-        return None, {}, error
-    return None, {}, None
+    if error is None or (ranks and all(r < n_old for r in ranks)):
+        return None, {}, None
+    if not _all_arrived(root, gen, len(members)):
+        # The group could not form because another process of the admission (a member,
+        # or another joiner) never came to form it: not this process's failure.
+        return None, {}, None
+    return None, {}, error
+
+
+def _all_arrived(root: dist.Store, gen: int, world: int) -> bool:
+    """Whether every process of generation ``gen`` (``world`` ranks) posted that it came
+    to form it; False when the store cannot tell (its keys deleted, or unreachable)."""
+    try:
+        return _jobs(root).ready(gen, range(world))
+    except ControlPlaneError:
+        return False
 
 
 def _await_members(jobs: ctl.JobStore, adm: proto.Admission, deadline: float, uid: int) -> bool:
