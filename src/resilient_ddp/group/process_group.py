@@ -104,10 +104,10 @@ def init_process_group(
         joined = join(backend, cfg, cfg.init_timeout)
         if isinstance(joined, _guest.Guest):
             _guest.set_current(joined)  # helps with the running inference call, no group
+            lighten_exit()
             return
         rt, _ = joined
-        _runtime.set_current(rt)
-        _process_hooks.install_hooks()
+        _became_current(rt)
         return
     if not dist.is_initialized():
         # The backend's timeout is torch's unless the caller gives one: plain calls (a
@@ -188,9 +188,23 @@ def attach(
     if hint is not None:
         rank_log.of(rt).warning("%s", hint)
     elastic_setup(rt)
+    _became_current(rt)
+    return rt
+
+
+def _became_current(rt: Runtime) -> None:
+    """``rt`` is this process's runtime from now on: its hooks are installed."""
     _runtime.set_current(rt)
     _process_hooks.install_hooks()
-    return rt
+    lighten_exit()
+
+
+def lighten_exit() -> None:
+    """At this process's healthy exit, skip the interpreter's last garbage collections
+    (:func:`~resilient_ddp.runtime._exit_guard.lighten_finalization`): for the processes
+    the library runs in (a rank, a guest, a launcher). Never blocks."""
+    global _light_exit
+    _light_exit = True
 
 
 def _say_protection(rt: Runtime) -> None:
@@ -284,6 +298,11 @@ def _detach(rt: Runtime) -> None:
     _process_hooks.uninstall_hooks()
 
 
+# Whether this process's healthy exit skips the interpreter's last garbage collections
+# (see lighten_exit): a rank, a guest or a launcher of the library.
+_light_exit = False
+
+
 @atexit.register
 def _at_exit() -> None:
     # The user never called destroy_process_group(): still tell the peers and stop the
@@ -298,6 +317,8 @@ def _at_exit() -> None:
         # armed (after a failure) the process ends without destructing anything.
         release_retired(wait_s=2.0)
         _let_backend_threads_settle(_SETTLE_S)
+        if _light_exit:
+            _exit_guard.lighten_finalization()
 
 
 # How long the exit waits at most for the backend's worker threads to go idle.

@@ -38,6 +38,25 @@ def hard_exit(code: int) -> None:
         os._exit(code)
 
 
+def lighten_finalization() -> None:
+    """Let the interpreter's exit skip its last garbage collections. Never blocks.
+
+    The garbage that exists now is collected (its finalizers run, its files are flushed);
+    then every object that exists is frozen (``gc.freeze``), so that the collections of the
+    interpreter's finalization, which walk every object of torch and torch._dynamo, pass
+    over them: about 0.6 s of CPU less at the end of every rank (measured: 0.85 s of the
+    3.1 s that ``python -c "import torch, torch._dynamo, resilient_ddp"`` takes). Objects
+    are still destructed as their references drop while modules are torn down; only a
+    cycle that becomes garbage after this call is not collected, which Python does not
+    promise at exit either. For a healthy exit, called last by the library's own atexit
+    handler (after the failure exit guard, which destructs nothing at all).
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 _guard_armed = False
 # How long the exit guard waits for the copy of this process that finishes the
 # interpreter's exit (about 0.1 s measured); past it, the copy is killed (see _exit_guard).

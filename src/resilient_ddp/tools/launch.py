@@ -30,6 +30,7 @@ from resilient_ddp.config import Duration, duration_seconds
 from resilient_ddp.control import _board
 from resilient_ddp.control import _control as ctl
 from resilient_ddp.errors import Culprit, RankOutcome, SpawnError
+from resilient_ddp.group.process_group import lighten_exit
 from resilient_ddp.runtime import _exit_guard, _runtime
 
 # Sent by the launcher to a rank it is about to kill: faulthandler prints every thread's
@@ -143,6 +144,7 @@ def launch(
     """
     limit = None if timeout is None else duration_seconds("timeout", timeout)
     grace_s = duration_seconds("grace", grace, _DEFAULT_GRACE)
+    lighten_exit()
     job = _Job(fn, nprocs, tuple(args), start_method, env or {}, restarts)
     try:
         job.supervise(limit, grace_s)
