@@ -30,7 +30,12 @@ from resilient_ddp.control._control import event_problem
 from resilient_ddp.control._events import plain_log
 from resilient_ddp.detection import watchdog
 from resilient_ddp.detection.watchdog import Watchdog, watch_targets
-from resilient_ddp.errors import ControlPlaneError, Culprit, RankFailureError
+from resilient_ddp.errors import (
+    CollectiveTimeoutError,
+    ControlPlaneError,
+    Culprit,
+    RankFailureError,
+)
 from resilient_ddp.runtime import _runtime
 from resilient_ddp.runtime._runtime import PendingOp, Runtime
 
@@ -609,3 +614,28 @@ def test_the_watchdog_watches_what_watch_targets_says(store: dist.Store) -> None
     wd = Watchdog(rt)
     assert wd.watched == watch_targets(4, 12, hosts)
     assert wd.watched == [5, 6, 8, 9, 10, 11]  # the ring, and the whole next host
+
+
+def test_a_rank_that_raised_in_the_op_the_peers_gave_up_on_is_not_told_again(
+    store: dist.Store,
+) -> None:
+    """Rank 1 gave up on rank 0 in op #2 while rank 0 gave up on rank 1 there (they issued
+    different collectives): rank 0 raised already, and must not be told again, from
+    wherever it is next (destroy_process_group, say). Stuck before a later op, it is."""
+    rt, _, _ = _runtime_for(store)
+    culprit = {"rank": 0, "host": "h", "what": "issued a different collective"}
+    on_op = {"kind": "timeout", "reporter": 1, "op": "all_reduce", "waited": 1.7}
+
+    def verdict(seq: int) -> RankFailureError | None:
+        ev = ctl.FailureEvent.decode({**on_op, "seq": seq, "culprits": [culprit], "gen": 0})
+        return rt._verdict_on_me(ev)
+
+    rt.begin_op("broadcast")
+    rt.begin_op("broadcast")  # op #2
+    assert isinstance(verdict(2), CollectiveTimeoutError)  # it has not raised: stuck there
+    rt.mark_raised()
+    assert verdict(2) is None
+    assert verdict(1) is None
+    told = verdict(3)  # the peers wait in op #3, which it never reached
+    assert isinstance(told, CollectiveTimeoutError)
+    assert "is stuck: rank 1 gave up on all_reduce#3" in str(told)

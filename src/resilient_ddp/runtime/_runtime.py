@@ -802,6 +802,11 @@ class Runtime:
             return None
         mine: Culprit | None = None
         if kind == ctl.EV_TIMEOUT:
+            if self.raised and self.seq >= ev.seq:
+                # This rank raised a failure in that op or a later one: it was never stuck
+                # before it (both gave up on each other, as after a divergence), and its
+                # main thread knows already.
+                return None
             mine = next((c for c in ev.culprits if c.rank == me), None)
         elif kind in (ctl.EV_UNRESPONSIVE, ctl.EV_SECTION) and ev.rank == me:
             mine = ev.culprit
