@@ -34,8 +34,9 @@ def tests(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
     # Two workers, a test file at a time each (module fixtures stay whole; the docs' sample
     # runner starts its samples once), in collection order: tests/conftest.py puts the
-    # longest files first (LONGEST_FILES), which xdist's default reordering (by number of
-    # tests) would undo. ``-- -n 0`` runs everything in one process.
+    # long files in the order that keeps both cores busy (LONGEST_FILES), which xdist's
+    # default reordering (by number of tests) would undo. ``-- -n 0`` runs everything in
+    # one process.
     session.run(
         "pytest", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", *session.posargs
     )
