@@ -1195,8 +1195,8 @@ class _Collector(threading.Thread):
         ]
         if not holders:
             return False
-        # Only ranks publish a state: a missing key would block the read (a helping
-        # replacement has none; it is judged by its beat and busy_timeout alone).
+        # Only ranks publish a state (a helping replacement has none; it is judged by its
+        # beat and busy_timeout alone): asking for it would only cost a read more.
         states = self.control.read_states([r for r in holders if r < rt.world_size])
         now = time.monotonic()
         window = rt.config.base_stuck_window
