@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 from typing import TypeVar
 
 import pytest
@@ -129,6 +130,20 @@ def test_a_culprit_is_built_from_what_the_caller_has() -> None:
     assert rd.Culprit.of(2, "x") == rd.Culprit(2, what="x")
     # A state's wall-clock time gives its age.
     assert rd.Culprit.of(2, "x", state={"t": 0.0}).state_age is not None
+
+
+def test_a_heartbeats_state_has_an_age_and_a_boards_has_none() -> None:
+    """A heartbeat's state is as old as its wall-clock ``t``; a board (read from a rank
+    that stopped or is gone on this host) is what it was doing when it stopped, shown
+    without an age however long the report takes to build."""
+    then = time.time() - 5.0
+    aged = rd.Culprit.record(1, "died", state={"step": 3, "t": then})
+    assert 5.0 <= aged["state_age"] < 60.0, aged
+    board = rd.Culprit.record(1, "died", state={"step": 3, "t": then, "board": True})
+    assert "state_age" not in board, board
+    assert board["step"] == 3, board
+    assert rd.Culprit.from_record(board).state_age is None
+
 
 
 def test_error_heads_say_op_seq_rank_and_where() -> None:

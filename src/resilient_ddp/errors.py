@@ -240,7 +240,8 @@ class Culprit:
             what: What it did, one line.
             info: What the rank published at start-up (``host``, ``pid``), if known.
             state: Its last state (a heartbeat: ``op``, ``seq``, ``step``, ``phase``,
-                ``section``; its wall-clock ``t`` in seconds gives ``state_age``), if known.
+                ``section``; its wall-clock ``t`` in seconds gives ``state_age``, unless
+                ``board`` says it was read from the rank's board), if known.
             **extra: More fields, set last (a diagnosis adds some that are not fields of
                 :class:`Culprit`: they travel on the wire and :meth:`from_record` drops
                 them).
@@ -258,7 +259,9 @@ class Culprit:
             "phase": state.get("phase", ""),
             "section": state.get("section", ""),
         }
-        if "t" in state:
+        if "t" in state and not state.get("board"):
+            # A state read from a board (a rank that stopped or is gone on this host) is
+            # what it was doing when it stopped: it has no age to show.
             c["state_age"] = round(max(0.0, time.time() - float(state["t"])), 3)
         return cast("CulpritRecord", {**c, **extra})
 

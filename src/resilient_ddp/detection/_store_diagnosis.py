@@ -217,7 +217,7 @@ def _culprit_extra(
     if not state.board:
         # Its heartbeat's age by this process's clock (the one Culprit.record would compute
         # compares its wall-clock "t" with this host's). A board (a stopped rank on this
-        # host) is read now: Culprit.record's age of it stands.
+        # host) has no age: Culprit.record leaves it out.
         extra["state_age"] = round(silent_s, 3)
     if beat.idle is not None:
         # Busy or stuck (see Op._stuck): seconds since its progress signals last moved,
