@@ -145,7 +145,6 @@ def test_a_heartbeats_state_has_an_age_and_a_boards_has_none() -> None:
     assert rd.Culprit.from_record(board).state_age is None
 
 
-
 def test_error_heads_say_op_seq_rank_and_where() -> None:
     assert (
         error_head("all_reduce", 1, seq=3, generation=2) == "all_reduce#3 on rank 1 (generation 2)"
