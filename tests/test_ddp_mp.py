@@ -185,4 +185,4 @@ def test_a_rank_dying_between_steps_is_named_in_its_new_step() -> None:
     [culprit] = values[0]
     assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, 3, "data"), culprit
     # Read from the board at the death, not from a heartbeat published before the pause.
-    assert not culprit["age"], culprit  # None or 0.0: shown without an age
+    assert culprit["age"] is None, culprit  # shown without an age

@@ -110,7 +110,6 @@ def test_a_rank_killed_in_a_fast_loop_is_named_in_the_step_and_phase_it_died_in(
         assert v["completed"] == w.KILL_STEP, v
         c = v["culprit"]
         assert (c["rank"], c["step"], c["phase"]) == (w.KILL_RANK, w.KILL_STEP, "forward"), v
-        assert c["state_age"] is not None, v
-        assert c["state_age"] < 0.05, v
+        assert c["state_age"] is None, v  # read from its board: what it did when it stopped
         assert f"[step {w.KILL_STEP}, phase 'forward', last op " in v["message"], v["message"]
         assert "as of" not in v["message"], v["message"]
