@@ -35,8 +35,6 @@ from ._procs import kill_named, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SURVIVORS = [r for r in range(w.WORLD) if r != w.CULPRIT]
-
 OP_TIMEOUT_S = 3.0
 # What an operator exports before starting the job; nothing is configured in code.
 OPERATOR_ENV = {"RESILIENT_DDP_OP_TIMEOUT": f"{OP_TIMEOUT_S:g}s", "OMP_NUM_THREADS": "1"}
@@ -141,11 +139,14 @@ def alive(start: dict[str, Any]) -> bool:
     return fields[0] != "Z" and int(fields[19]) == start["start_time"]
 
 
-def check(launcher: str, fault: str, run: Run) -> tuple[list[str], dict[str, Any]]:
-    """Every problem of the case (empty: the promise held), and a summary of how it went."""
+def check(
+    launcher: str, fault: str, run: Run, world: int = w.WORLD
+) -> tuple[list[str], dict[str, Any]]:
+    """Every problem of the case of ``world`` ranks (empty: the promise held), and a
+    summary of how it went."""
     out, problems = run.out, []
-    starts = {r: read_record(out / f"start{r}.json") for r in range(w.WORLD)}
-    results = {r: read_record(out / f"result{r}.json") for r in range(w.WORLD)}
+    starts = {r: read_record(out / f"start{r}.json") for r in range(world)}
+    results = {r: read_record(out / f"result{r}.json") for r in range(world)}
     fault_rec = read_record(out / "fault.json")
     summary: dict[str, Any] = {"case": f"{launcher}/{fault}", "attempts": run.attempts}
     if run.deadline_hit:
@@ -153,7 +154,7 @@ def check(launcher: str, fault: str, run: Run) -> tuple[list[str], dict[str, Any
     if fault_rec is None:
         problems.append(f"rank {w.CULPRIT} never reached its fault at step {w.FAULT_STEP}")
     t_fault = fault_rec["t_fault"] if fault_rec else None
-    for r in SURVIVORS:
+    for r in (r for r in range(world) if r != w.CULPRIT):
         summary[f"rank{r}"] = check_survivor(r, fault, results[r], t_fault, run, problems)
     summary["culprit"] = check_culprit(fault, results[w.CULPRIT], t_fault, run, problems)
     check_ended(starts, run, problems)
