@@ -127,6 +127,14 @@ def rd_spawn_main(rank: int, out_dir: str, fault: str) -> None:
     train(out_dir, fault)
 
 
+def started_from(rank: int) -> dict[str, Any]:
+    """How ``rd.spawn`` started this rank: its parent's command line (a fork server's lists
+    what it preloaded), and a variable the caller set just before the call."""
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().replace(b"\0", b" ").decode()
+    return {"rank": rank, "ppid": os.getppid(), "parent": parent, "late": os.environ.get("RD_LATE")}
+
+
 def mp_spawn_main(rank: int, world_size: int, port: int, out_dir: str, fault: str) -> None:
     """Under ``torch.multiprocessing.spawn``, as PyTorch's DDP tutorial sets it up: its
     ``setup()`` sets MASTER_ADDR and MASTER_PORT (and here RANK and WORLD_SIZE, so that the

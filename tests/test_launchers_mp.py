@@ -258,3 +258,49 @@ _LAUNCH = {
     "mp_spawn": _launch_mp_spawn,
     "popen": _launch_popen,
 }
+
+
+# A user's script: its ranks are rd.spawn's default; the caller may have chosen what the
+# fork server preloads.
+_STARTED_FROM_SCRIPT = """
+import json, multiprocessing, os, sys
+import resilient_ddp as rd
+from tests._launcher_workers import started_from
+
+if __name__ == "__main__":
+    if sys.argv[1:]:
+        multiprocessing.set_forkserver_preload(sys.argv[1:])
+    os.environ["RD_LATE"] = "set just before the call"
+    print(json.dumps({"caller": os.getpid(), "ranks": rd.spawn(started_from, 2)}))
+"""
+
+
+@pytest.mark.parametrize("preload", [[], ["json"]], ids=["default", "callers_preload"])
+def test_rd_spawns_ranks_fork_from_a_server_that_imported_torch(
+    preload: list[str], operator_env: dict[str, str], tmp_path: Path
+) -> None:
+    """``rd.spawn``'s default start: each rank is a child of a fork server (not of the
+    caller) that imported torch, torch._dynamo and the library once, unless the caller
+    chose the server's preload itself; either way a rank gets the caller's environment as
+    it is at the call."""
+    script = tmp_path / "job.py"
+    script.write_text(_STARTED_FROM_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), *preload],
+        env={**operator_env, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    ranks = found["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1], found
+    expected = repr(preload) if preload else "['torch', 'torch._dynamo', 'resilient_ddp']"
+    for r in ranks:
+        assert r["ppid"] != found["caller"], found
+        assert "multiprocessing.forkserver" in r["parent"], r
+        assert expected in r["parent"], r
+        assert r["late"] == "set just before the call", r

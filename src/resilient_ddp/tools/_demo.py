@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -212,25 +211,16 @@ def _worker(rank: int, args: dict[str, Any], out_dir: str) -> dict[str, Any]:
     return result
 
 
-def _fork_server() -> None:
-    """The demo's processes fork from a server that imported torch once: 4 ranks start in
-    a fraction of a second each instead of importing torch one by one on a small machine
-    (a second of CPU each, two with torch._dynamo), and so does a replacement."""
-    multiprocessing.set_forkserver_preload(["resilient_ddp", "torch._dynamo"])
-
-
 def _run_plain(args: argparse.Namespace) -> int:
     from resilient_ddp.tools.launch import launch
 
     opts = vars(args).copy()
     _header(args, f"ResilientDDP, {args.steps} steps (0 to {args.steps - 1})")
-    _fork_server()
     with tempfile.TemporaryDirectory() as out_dir:
         start = time.time()
         outcomes = launch(
             _worker, args.nproc, (opts, out_dir),
             timeout=timedelta(seconds=120), grace=timedelta(seconds=3),
-            start_method="forkserver",
         )  # fmt: skip
         fault_t = _fault_time(out_dir)
     print()
@@ -374,13 +364,11 @@ def _run_elastic(args: argparse.Namespace) -> int:
         f'ResilientDDP with on_failure="shrink", rd.spawn(restarts=1), {args.steps} steps',
         "; the others go on, a replacement joins",
     )
-    _fork_server()
     with tempfile.TemporaryDirectory() as out_dir:
         start = time.time()
         outcomes = launch(
             _elastic_worker, args.nproc, (vars(args).copy(), out_dir),
             timeout=timedelta(seconds=120), grace=timedelta(seconds=3), restarts=1,
-            start_method="forkserver",
         )  # fmt: skip
         fault_t = _fault_time(out_dir)
     print()
