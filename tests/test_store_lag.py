@@ -61,7 +61,8 @@ step = 0
 try:
     for step in range(1, steps + 1):
         model(torch.ones(8, 4)).sum().backward()
-        (out / f"step{rank}").write_text(str(step))
+        (out / f".step{rank}").write_text(str(step))
+        (out / f".step{rank}").replace(out / f"step{rank}")  # never read half written
         time.sleep(0.05)
     res = {"done": rd.all_reduce(torch.ones(1)).item(), "steps": step}
 except rd.ResilientDDPError as e:
@@ -73,6 +74,8 @@ print("RESULT " + json.dumps(res), flush=True)
 
 
 def _steps(out: Path) -> list[int]:
+    """Each rank's last step (0 before its first); a rank replaces its file whole, so a
+    read never finds it empty (CI once read a file being rewritten: "0 steps")."""
     found = []
     for r in range(WORLD):
         p = out / f"step{r}"
