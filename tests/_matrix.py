@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -93,6 +94,22 @@ def operator_environment(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     for key, value in OPERATOR_ENV.items():
         monkeypatch.setenv(key, value)
     return dict(os.environ)
+
+
+def run_for_json(args: Sequence[str], env: dict[str, str], cwd: Path) -> Any:
+    """Run ``python *args`` to its end (at most :data:`DEADLINE_S`); it must exit 0. The
+    JSON its last line of output printed."""
+    proc = subprocess.run(
+        [sys.executable, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def attempt_dir(tmp_path: Path, attempt: int) -> Path:

@@ -44,6 +44,7 @@ from ._matrix import (
     operator_environment,
     read_record,
     report,
+    run_for_json,
     stacks_of_stuck_ranks,
 )
 
@@ -181,17 +182,7 @@ def test_registered_names_and_what_is_refused(operator_env: dict[str, str]) -> N
     code = (
         "import json; from tests._framework_workers import registry; print(json.dumps(registry()))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=operator_env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = run_for_json(["-c", code], operator_env, ROOT)
     for name, start in (("resilient_ddp", "popen"), ("resilient_ddp_spawn", "spawn")):
         assert found[name] == {
             "trainer": "resilient_ddp.integrations.lightning.ResilientDDPStrategy",

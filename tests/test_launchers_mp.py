@@ -67,6 +67,7 @@ from ._matrix import (
     operator_environment,
     read_record,
     report,
+    run_for_json,
     stacks_of_stuck_ranks,
 )
 
@@ -285,17 +286,9 @@ def test_rd_spawns_ranks_fork_from_a_server_that_imported_torch(
     it is at the call."""
     script = tmp_path / "job.py"
     script.write_text(_STARTED_FROM_SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, str(script), *preload],
-        env={**operator_env, "PYTHONPATH": str(ROOT)},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S,
-        check=False,
+    found = run_for_json(
+        [str(script), *preload], {**operator_env, "PYTHONPATH": str(ROOT)}, tmp_path
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
     ranks = found["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1], found
     expected = repr(preload) if preload else "['torch', 'torch._dynamo', 'resilient_ddp']"
