@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from resilient_ddp.testing import run_ranks
+from resilient_ddp.tools.launch import FORK_SERVER_PRELOAD
 
 from . import _launcher_workers as w
 from ._matrix import (
@@ -291,7 +292,7 @@ def test_rd_spawns_ranks_fork_from_a_server_that_imported_torch(
     )
     ranks = found["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1], found
-    expected = repr(preload) if preload else "['torch', 'torch._dynamo', 'resilient_ddp']"
+    expected = repr(preload or list(FORK_SERVER_PRELOAD))
     for r in ranks:
         assert r["ppid"] != found["caller"], found
         assert "multiprocessing.forkserver" in r["parent"], r

@@ -47,8 +47,17 @@ _DEFAULT_GRACE = timedelta(seconds=30)
 #: What the fork server imports once before it forks the ranks (``start_method=
 #: "forkserver"``, the default): each rank then starts in tens of milliseconds instead of
 #: importing torch itself (a second of CPU, two with ``torch._dynamo``, which DDP loads).
-#: Importing them creates no CUDA context and starts no thread, so the forks are clean.
-FORK_SERVER_PRELOAD = ("torch", "torch._dynamo", "resilient_ddp")
+#: Importing them creates no CUDA context and starts no Python thread (torch's import
+#: starts one native helper thread, as in any process that imports torch; a fork copies
+#: the forking thread only, as a DataLoader's forked workers do).
+#: The last, ``tools._fork_server``, makes the server end without the interpreter's
+#: teardown once its caller has exited.
+FORK_SERVER_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "resilient_ddp",
+    "resilient_ddp.tools._fork_server",
+)
 
 
 def _preload_fork_server() -> None:
