@@ -73,6 +73,7 @@ LAYERS: dict[str, int] = {
             "training.ddp",
             "inference.inference",
             "tools.launch",
+            "tools._fork_server",
             "testing",
             "tools._demo",
             "tools._doctor",
