@@ -11,11 +11,16 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
+import torch
 
 import resilient_ddp as rd
+from resilient_ddp.base import _traces
+from resilient_ddp.control._control import ControlPlane
 from resilient_ddp.detection import _progress as pg
 
 BASE = pg.Sample(cpu_s=1.0, state="S", stack=1, io=100, marks=0, gpu=0, where="f() at x.py:1")
@@ -249,6 +254,48 @@ def test_fingerprint_and_where_of_this_frame() -> None:
     assert a != pg.fingerprint(caller.f_back)
     here = pg.where(frame, internal=lambda f: False)
     assert here.startswith("test_fingerprint_and_where_of_this_frame() at test_progress_unit.py:")
+
+
+def test_every_module_of_the_package_is_the_librarys_own() -> None:
+    # What `inside` and `where` rest on: a rank waiting in any of the library's modules (a
+    # store call in control/, a collective in ops/) is in a wait of ours, and reports name
+    # the user's frame around it. The package's folders are all of it, not the one that
+    # holds _traces.py (base/): the layout by folders once left every other one out.
+    root = Path(rd.__file__).parent
+    user_facing = {root / "testing.py", root / "tools" / "_demo.py"}
+    modules = sorted(root.rglob("*.py"))
+    assert {p.parent.name for p in modules} >= {"control", "ops", "inference", "base"}
+    for path in modules:
+        assert _traces._is_ours(str(path)) == (path not in user_facing), path
+    assert not _traces._is_ours(__file__)
+    assert not _traces._is_ours(torch.__file__)
+    assert not _traces._is_ours(str(root) + "_extra/x.py")  # a sibling folder is not ours
+
+
+def _frame_in_a_store_call() -> FrameType:
+    """The frame of the library's store call (control/) while its store function runs."""
+    frames: list[FrameType] = []
+
+    def store_fn() -> None:
+        caller = sys._getframe(1)
+        frames.append(caller)
+
+    ControlPlane._call(store_fn)
+    return frames[0]
+
+
+def test_a_wait_in_a_store_call_is_inside_the_library_and_named_by_its_caller() -> None:
+    frame = _frame_in_a_store_call()
+    assert frame.f_code.co_name == "_call"
+    assert pg.inside(frame, _traces._is_ours)
+    # Named by the user's code around it: here, this test's helper.
+    assert pg.where(frame, _traces._is_internal).startswith(
+        "_frame_in_a_store_call() at test_progress_unit.py:"
+    )
+    stack = _traces.format_stack(frame, 3)
+    assert "_control.py" not in stack, stack
+    assert stack.endswith("(inside resilient_ddp: _call)"), stack
+    assert "in _frame_in_a_store_call" in stack, stack
 
 
 _FRAME_READER = """

@@ -15,7 +15,12 @@ import torch.distributed
 
 from resilient_ddp.errors import ResilientDDPError
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# The package's folder: this module is in its base/ folder. Every module under it is the
+# library's own (tests/test_traces_unit.py checks this for each one).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# rd.spawn's wrapper around a rank's function (tools/launch.py): its frames tell a reader
+# of a culprit's stack nothing.
+_LAUNCH_FILE = os.path.join(_PACKAGE_DIR, "tools", "launch.py")
 _THREADING_FILE = os.path.abspath(threading.__file__)
 _MULTIPROCESSING_DIR = os.path.dirname(os.path.abspath(multiprocessing.__file__))
 
@@ -40,7 +45,7 @@ def _is_internal(filename: str) -> bool:
 def _is_ours(filename: str) -> bool:
     """Whether ``filename`` is one of the library's modules (not a user-facing one)."""
     path = os.path.abspath(filename)
-    return path.startswith(_PACKAGE_DIR) and not path.endswith(_USER_FACING)
+    return path.startswith(_PACKAGE_DIR + os.sep) and not path.endswith(_USER_FACING)
 
 
 def format_stack(frame: FrameType, depth: int) -> str:
@@ -51,7 +56,7 @@ def format_stack(frame: FrameType, depth: int) -> str:
         for f in traceback.extract_stack(frame)
         if f.filename != "<string>"
         and not os.path.abspath(f.filename).startswith(_MULTIPROCESSING_DIR)
-        and not os.path.abspath(f.filename).endswith(os.path.join("resilient_ddp", "launch.py"))
+        and os.path.abspath(f.filename) != _LAUNCH_FILE
     ]
     inside = ""
     while frames and _is_internal(frames[-1].filename):
