@@ -44,13 +44,15 @@ def tests(session: nox.Session) -> None:
     # The frameworks' extras: tests/test_frameworks_mp.py runs their real packages.
     session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
     _compile(session)
-    # Two workers, a test file at a time each (module fixtures stay whole; the docs' sample
+    # Three workers, a test file at a time each (module fixtures stay whole; the docs' sample
     # runner starts its samples once), in collection order: tests/conftest.py puts the
-    # long files in the order that keeps both cores busy (LONGEST_FILES), which xdist's
-    # default reordering (by number of tests) would undo. ``-- -n 0`` runs everything in
-    # one process.
+    # long files first (LONGEST_FILES), which xdist's default reordering (by number of
+    # tests) would undo. Three on a 2-core machine: with two, both cores sat idle for 250 of
+    # the 1,340 CPU-s a run had (both workers' tests waiting on a timeout at once); with
+    # three, 35-50 CPU-s, and the run took 660-670 s instead of 744 s (same machine, same
+    # hour). ``-- -n 0`` runs everything in one process.
     session.run(
-        "pytest", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", *session.posargs
+        "pytest", "-n", "3", "--dist", "loadfile", "--no-loadscope-reorder", *session.posargs
     )
 
 

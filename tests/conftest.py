@@ -298,15 +298,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # The longest test files (8 s to a few minutes each on 2 cores). `nox -s tests` hands whole
-# files to its two workers in collection order (--dist loadfile --no-loadscope-reorder), and
+# files to its workers in collection order (--dist loadfile --no-loadscope-reorder), and
 # the suite is CPU-bound: the wall time is shortest when a file that keeps both cores busy
 # (cold starts of interpreters: the frameworks, the docs' samples, the launchers) runs beside
 # one that mostly waits (timeouts, stuck windows: the elastic fault matrices, busy ranks,
-# collectives), not beside another cold-starting one. This order was chosen by simulating
-# the two workers on each file's measured wall and CPU time alone (sum of CPU / wall: 1.4 for
-# the frameworks, 0.3-0.6 for the waiting files): 575 s simulated against 616 s for longest
-# first. Only the wall time depends on it; a file not listed runs after these, in the usual
-# order (tests/test_harness.py checks that every name here is a test file).
+# collectives), and when no long file starts last. This order was chosen for two workers by
+# simulating them on each file's measured wall and CPU time alone (sum of CPU / wall: 1.4
+# for the frameworks, 0.3-0.6 for the waiting files): 575 s simulated against 616 s for
+# longest first. With three workers (nox's setting now) the cores are idle for 35-50 CPU-s
+# of a run, and the order matters less. Only the wall time depends on it; a file not listed
+# runs after these, in the usual order (tests/test_harness.py checks that every name here
+# is a test file).
 LONGEST_FILES = (
     "test_frameworks_mp.py",
     "test_busy_mp.py",
