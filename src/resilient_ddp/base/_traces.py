@@ -16,7 +16,7 @@ import torch.distributed
 from resilient_ddp.errors import ResilientDDPError
 
 # The package's folder: this module is in its base/ folder. Every module under it is the
-# library's own (tests/test_traces_unit.py checks this for each one).
+# library's own (tests/test_progress_unit.py checks this for each one).
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # rd.spawn's wrapper around a rank's function (tools/launch.py): its frames tell a reader
 # of a culprit's stack nothing.
@@ -31,8 +31,11 @@ def qualname(cls: type) -> str:
     return cls.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{cls.__qualname__}"
 
 
-# Modules of ours that run user-facing code (the demo, test helpers): never elided.
-_USER_FACING = ("_demo.py", "testing.py")
+# Modules of ours that run user-facing code (the demo, test helpers): never elided. By
+# path, as _LAUNCH_FILE: a suffix would also match any other module ending in one.
+_USER_FACING = frozenset(
+    os.path.join(_PACKAGE_DIR, *parts) for parts in (("tools", "_demo.py"), ("testing.py",))
+)
 
 
 def _is_internal(filename: str) -> bool:
@@ -45,7 +48,7 @@ def _is_internal(filename: str) -> bool:
 def _is_ours(filename: str) -> bool:
     """Whether ``filename`` is one of the library's modules (not a user-facing one)."""
     path = os.path.abspath(filename)
-    return path.startswith(_PACKAGE_DIR + os.sep) and not path.endswith(_USER_FACING)
+    return path.startswith(_PACKAGE_DIR + os.sep) and path not in _USER_FACING
 
 
 def format_stack(frame: FrameType, depth: int) -> str:
