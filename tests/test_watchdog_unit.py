@@ -15,6 +15,7 @@ import logging
 import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -639,3 +640,58 @@ def test_a_rank_that_raised_in_the_op_the_peers_gave_up_on_is_not_told_again(
     told = verdict(3)  # the peers wait in op #3, which it never reached
     assert isinstance(told, CollectiveTimeoutError)
     assert "is stuck: rank 1 gave up on all_reduce#3" in str(told)
+
+
+class _VerdictMidCall:
+    """A store whose every call first has the runtime tell the main thread its verdict (as
+    the watchdog does when the peers gave up on it), then answers: the signal handler
+    raises inside the store call, as when a SIGCONTed rank reads the store."""
+
+    def __init__(self, store: dist.Store, rt: Runtime, verdict: RankFailureError) -> None:
+        self._store, self._rt, self._verdict = store, rt, verdict
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            self._rt.tell_main(self._verdict)  # pthread_kill runs the handler before it returns
+            return method(*args)
+
+        return call
+
+
+@pytest.mark.skipif(_runtime.TELL_SIGNAL is None, reason="no real-time signals here")
+@pytest.mark.parametrize("call", ["read_states", "wait_attached", "read_verdict"])
+def test_a_verdict_told_in_the_middle_of_a_store_call_is_raised_as_it_is(
+    store: dist.Store, call: str
+) -> None:
+    """The peers' verdict reaches the main thread wherever it is, a store call included: it
+    must come out as it is, never as a lost store (a ControlPlaneError that names nobody,
+    seen in CI when a SIGSTOPped inference rank was resumed), nor be swallowed as a key
+    that did not appear."""
+    from resilient_ddp.runtime import _process_hooks
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run in the main thread only")
+    rt, _, _ = _runtime_for(store)
+    rt.main_thread_ident = threading.get_ident()
+    verdict = RankFailureError(
+        "rank 0: rank 1 reported that it is stopped", culprits=[Culprit.of(0, "is stopped")]
+    )
+    plane = rt.control
+    plane.store = _VerdictMidCall(plane.store, rt, verdict)  # type: ignore[assignment]
+    calls = {
+        "read_states": lambda: plane.read_states([0, 1]),
+        "wait_attached": lambda: plane.wait_attached(2, timedelta(seconds=5)),
+        "read_verdict": lambda: plane.read_verdict(1, 0, timedelta(seconds=5)),
+    }
+    _process_hooks.install_hooks()
+    _runtime.set_current(rt)
+    try:
+        with pytest.raises(RankFailureError) as caught:
+            calls[call]()
+    finally:
+        _runtime.set_current(None)
+        _process_hooks.uninstall_hooks()
+    assert caught.value is verdict
+    assert rt.told_delivered

@@ -112,6 +112,7 @@ from resilient_ddp.control._events import plain_log
 from resilient_ddp.errors import (
     ControlPlaneError,
     Culprit,
+    ResilientDDPError,
     culprit_problem,
     field_types,
     record_problem,
@@ -698,6 +699,8 @@ def group_secret(timeout: timedelta) -> str:
         work = dist.broadcast(buf, src=0, async_op=True)
         if work is not None:
             work.wait(timeout)
+    except ResilientDDPError:
+        raise  # the peers' verdict on this rank (Runtime.tell_main), never a store failure
     except (RuntimeError, OSError) as e:
         from resilient_ddp.errors import PreflightError
 
@@ -730,6 +733,8 @@ def _wait_text(store: dist.Store, key: str, timeout: timedelta, why: str) -> str
     try:
         store.wait([key], timeout)
         return check_job_id(store.get(key).decode())
+    except ResilientDDPError:
+        raise  # the peers' verdict on this rank (Runtime.tell_main), never a store failure
     except (RuntimeError, OSError, UnicodeDecodeError) as e:
         from resilient_ddp.errors import PreflightError
 
@@ -972,6 +977,8 @@ class ControlPlane:
         keys = [f"state/{r}" for r in range(world)] + [f"info/{r}" for r in range(world)]
         try:
             self.wait_keys(keys, timeout)
+        except ResilientDDPError:
+            raise  # the peers' verdict on this rank (Runtime.tell_main), never a store failure
         except (RuntimeError, OSError):  # DistStoreError: the keys did not all appear
             return [r for r in range(world) if not self.has_state(r)]
         return []
@@ -1089,6 +1096,8 @@ class ControlPlane:
         key = f"dg/{seq}/{k}/v"
         try:
             self.store.wait([key], timeout)
+        except ResilientDDPError:
+            raise  # the peers' verdict on this rank (Runtime.tell_main), never a store failure
         except (RuntimeError, OSError):  # DistStoreError: it did not appear in time
             if not self._call(self.store.check, [key]):
                 return None
@@ -1188,6 +1197,11 @@ class ControlPlane:
     def _call(fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
+        except ResilientDDPError:
+            # The peers' verdict on this rank, raised by the signal handler of
+            # Runtime.tell_main in the middle of the call: it is no store failure, and
+            # wrapped it would read as a lost store and name nobody.
+            raise
         except (RuntimeError, OSError) as e:
             # DistStoreError and DistNetworkError derive from RuntimeError.
             raise ControlPlaneError(

@@ -71,6 +71,8 @@ from typing import Any, Protocol
 
 import torch
 
+from resilient_ddp.errors import ResilientDDPError
+
 FORMAT_VERSION = 1
 END = 1 << 40  # added to ``redo/n`` when the call is over
 MANIFEST = "manifest.json"
@@ -691,6 +693,8 @@ def done_on_disk(folder: str, chunks: Sequence[Chunk]) -> dict[int, str]:
         if name.startswith("chunk-") and name.endswith(".pt"):
             try:
                 data = read_file(folder, name)
+            except ResilientDDPError:
+                raise  # the peers' verdict on this rank (Runtime.tell_main), not the file's fault
             except Exception:  # noqa: BLE001 - a torn or foreign file: its items are redone
                 continue
             for i in data.get("indices", []):

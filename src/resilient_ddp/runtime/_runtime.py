@@ -48,6 +48,7 @@ from resilient_ddp.errors import (
     ControlPlaneError,
     Culprit,
     RankFailureError,
+    ResilientDDPError,
     error_head,
     failure_message,
 )
@@ -395,6 +396,8 @@ class Runtime:
         self._connections.pop(purpose, None)
         try:
             return self.connection(purpose)
+        except ResilientDDPError:
+            raise  # the peers' verdict on this rank (tell_main), never a store failure
         except (RuntimeError, OSError) as e:
             raise ControlPlaneError(
                 f"The control-plane store did not take a new connection ({type(e).__name__}: {e})."
