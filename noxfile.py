@@ -23,14 +23,30 @@ LINT_PATHS = ("src", "tests", "benchmarks", "noxfile.py")
 FRAMEWORKS = "lightning,accelerate,transformers"
 
 
-def _compile(session: nox.Session) -> None:
-    """Write the bytecode of the package and the tests (``__pycache__``, ignored by git).
+# What nearly every process of the suite imports: its bytecode is written once, up front.
+_WARM_IMPORTS = "import torch, torch._dynamo, numpy, pytest, xdist, hypothesis, resilient_ddp"
 
-    The suite starts about 400 fresh interpreters (ranks under torchrun, a framework's
-    launcher or ``mp.spawn``, the docs' samples), and each imports the package and a test
-    module. Where ``PYTHONDONTWRITEBYTECODE`` is set (as on this project's machines), none of
-    them writes the bytecode it compiled, so each compiled them again: 0.1 s of CPU a
-    process. They read the bytecode written here (pip wrote the installed packages')."""
+
+def _install_for_tests(session: nox.Session) -> None:
+    """Install the package with the test and framework extras, and have bytecode written.
+
+    pip byte-compiles every module it installs, on one core (about 28 CPU-s: transformers,
+    torch and sympy hold 7,000 files), though the suite imports a fraction of them; here
+    it does not (``--no-compile``, 14 s instead of 42 s for the whole install). Instead the
+    suite's processes write the bytecode of what they import, once: the session clears
+    ``PYTHONDONTWRITEBYTECODE`` (set on this project's machines), or each of the ~400
+    fresh interpreters the suite starts (ranks under torchrun, a framework's launcher or
+    ``mp.spawn``, the docs' samples) would compile torch again, about 7 CPU-s each. One
+    interpreter first imports what nearly all of them import (12 s), so that the first
+    three pytest workers do not all compile it at once; the package's and the tests' own
+    modules are compiled as before.
+    """
+    # numpy is not a dependency, but without it `import torch` warns and
+    # filterwarnings=error turns that warning into an error.
+    # The frameworks' extras: tests/test_frameworks_mp.py runs their real packages.
+    session.install(*CONSTRAINTS, "--no-compile", "-e", f".[test,{FRAMEWORKS}]", "numpy")
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode again
+    session.run("python", "-c", _WARM_IMPORTS, silent=True)
     session.run("python", "-m", "compileall", "-q", "src", "tests", silent=True)
 
 
@@ -39,11 +55,7 @@ def tests(session: nox.Session) -> None:
     """Run the whole test suite (gloo on CPU), the fault matrix included. Extra arguments
     go to pytest (e.g. ``--skip-slow`` to leave out the longest tests, ``--rank-start
     spawn`` to start every rank as a fresh interpreter instead of a fork-server child)."""
-    # numpy is not a dependency, but without it `import torch` warns and
-    # filterwarnings=error turns that warning into an error.
-    # The frameworks' extras: tests/test_frameworks_mp.py runs their real packages.
-    session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
-    _compile(session)
+    _install_for_tests(session)
     # Three workers, a test file at a time each (module fixtures stay whole; the docs' sample
     # runner starts its samples once), in collection order: tests/conftest.py puts the
     # long files first (LONGEST_FILES), which xdist's default reordering (by number of
@@ -61,8 +73,7 @@ def stress(session: nox.Session) -> None:
     """Run the multi-process fault tests many times under extra CPU load (default: 20
     runs, one busy-looping process); any failure is a bug. Arguments go to
     ``tests/stress_campaign.py``, e.g. ``-- --runs 5 --hogs 2 -- -k kill``."""
-    session.install(*CONSTRAINTS, "-e", f".[test,{FRAMEWORKS}]", "numpy")
-    _compile(session)
+    _install_for_tests(session)
     session.run("python", "tests/stress_campaign.py", *session.posargs)
 
 
