@@ -23,8 +23,17 @@ LINT_PATHS = ("src", "tests", "benchmarks", "noxfile.py")
 FRAMEWORKS = "lightning,accelerate,transformers"
 
 
-# What nearly every process of the suite imports: its bytecode is written once, up front.
-_WARM_IMPORTS = "import torch, torch._dynamo, numpy, pytest, xdist, hypothesis, resilient_ddp"
+# What nearly every process of the suite imports, in two interpreters side by side (torch
+# and what it loads for DDP; the rest): its bytecode is written once, up front.
+_WARM_IMPORTS = (
+    "import torch, torch._dynamo, resilient_ddp",
+    "import sympy, numpy, pytest, xdist, hypothesis, pydantic, tenacity",
+)
+_WARM = (
+    "import subprocess, sys; "
+    f"ps = [subprocess.Popen([sys.executable, '-c', c]) for c in {_WARM_IMPORTS!r}]; "
+    "sys.exit(max(p.wait() for p in ps))"
+)
 
 
 def _install_for_tests(session: nox.Session) -> None:
@@ -37,16 +46,16 @@ def _install_for_tests(session: nox.Session) -> None:
     ``PYTHONDONTWRITEBYTECODE`` (set on this project's machines), or each of the ~400
     fresh interpreters the suite starts (ranks under torchrun, a framework's launcher or
     ``mp.spawn``, the docs' samples) would compile torch again, about 7 CPU-s each. One
-    interpreter first imports what nearly all of them import (12 s), so that the first
-    three pytest workers do not all compile it at once; the package's and the tests' own
-    modules are compiled as before.
+    interpreter first imports what nearly all of them import (two side by side: 8 s instead
+    of 12 s), so that the three pytest workers do not all compile it at once; the
+    package's and the tests' own modules are compiled as before.
     """
     # numpy is not a dependency, but without it `import torch` warns and
     # filterwarnings=error turns that warning into an error.
     # The frameworks' extras: tests/test_frameworks_mp.py runs their real packages.
     session.install(*CONSTRAINTS, "--no-compile", "-e", f".[test,{FRAMEWORKS}]", "numpy")
     session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode again
-    session.run("python", "-c", _WARM_IMPORTS, silent=True)
+    session.run("python", "-c", _WARM, silent=True)
     session.run("python", "-m", "compileall", "-q", "src", "tests", silent=True)
 
 
