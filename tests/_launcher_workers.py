@@ -28,6 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# DDP's constructor imports torch._dynamo (1.5-3 CPU-s) between the rendezvous and its first
+# broadcast, whose limit here is the operator's hard 3 s (RESILIENT_DDP_OP_TIMEOUT): under
+# `nox -s stress` a starved rank arrived 3.2 s after its peers and was named in the
+# constructor, before any fault. Imported before the rendezvous, which waits for every rank.
+import torch._dynamo
 from torch import nn
 
 import resilient_ddp as rd
