@@ -48,14 +48,15 @@ def _install_for_tests(session: nox.Session) -> None:
 
     pip byte-compiles every module it installs, on one core (about 28 CPU-s: transformers,
     torch and sympy hold 7,000 files), though the suite imports a fraction of them; here
-    it does not (``--no-compile``, 14 s instead of 42 s for the whole install). Instead the
-    suite's processes write the bytecode of what they import, once: the session clears
-    ``PYTHONDONTWRITEBYTECODE`` (set on this project's machines), or each of the ~400
-    fresh interpreters the suite starts (ranks under torchrun, a framework's launcher or
-    ``mp.spawn``, the docs' samples) would compile torch again, about 7 CPU-s each. One
-    interpreter first imports what nearly all of them import (two side by side: 8 s instead
-    of 12 s), so that the three pytest workers do not all compile it at once; the
-    package's and the tests' own modules are compiled as before.
+    it does not (``--no-compile``: the install took 14-34 s instead of 42-68 s, measured
+    side by side). Instead the suite's processes write the bytecode of what they import,
+    once: the session clears ``PYTHONDONTWRITEBYTECODE`` (set on this project's machines),
+    or each of the ~400 fresh interpreters the suite starts (ranks under torchrun, a
+    framework's launcher or ``mp.spawn``, the docs' samples) would compile torch again,
+    about 7 CPU-s each. Two interpreters side by side first import what nearly all of
+    them import (``_WARM``: 6 s, against 10 s for one), so that the three pytest workers
+    do not all compile it at once; the package's and the tests' own modules are compiled
+    as before.
     """
     # numpy is not a dependency, but without it `import torch` warns and
     # filterwarnings=error turns that warning into an error.
